@@ -1,0 +1,32 @@
+# Two entry points on a fresh clone: `make pretrain` and `make test`.
+# Each creates the virtual environment it needs first (.venv, torch 2.13.0 CPU build when
+# no torch is importable there; bring your own CUDA build by installing torch before).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# DeepSpeed JIT-builds a CPU comm op on first use; keep the build per checkout so two
+# environments never rebuild each other's copy.
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+export DS_ACCELERATOR ?= cpu
+
+.PHONY: env test pretrain bench clean
+
+env: $(VENV)/.installed
+
+$(VENV)/.installed: setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+test: env
+	$(PY) -m pytest -q tests
+
+pretrain: env
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH bash scripts/pretrain_codegen.sh
+
+bench: env
+	$(PY) benchmarks/preprocess_throughput.py
+
+clean:
+	rm -rf $(VENV) .cache outputs

@@ -1,0 +1,25 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="codegeex_train",
+    version="0.1.0",
+    description="Pretrain CodeGeeX-style code language models: hand-written Megatron tensor "
+    "parallelism, pipeline parallelism and DeepSpeed ZeRO-2 data parallelism.",
+    packages=find_packages(include=["codegeex_train", "codegeex_train.*"]),
+    python_requires=">=3.10",
+    # torch is a range, never a pinned build: users bring their own CUDA build.
+    install_requires=[
+        "torch>=2.4",
+        "deepspeed>=0.18.3",
+        "transformers>=4.40",
+        "tokenizers>=0.19",
+        "datasets>=2.19",
+        "wandb>=0.17",
+        "numpy",
+        "tqdm",
+    ],
+    extras_require={
+        "dev": ["pytest>=8", "hypothesis>=6", "sentencepiece", "megatron-core"],
+    },
+    include_package_data=True,
+)
