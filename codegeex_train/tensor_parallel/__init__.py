@@ -1,0 +1,37 @@
+"""Hand-written Megatron tensor parallelism: f/g communication, parallel layers, vocab-parallel loss, RNG."""
+
+from .cross_entropy import vocab_parallel_cross_entropy
+from .layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    divide,
+    init_normal,
+    set_tensor_model_parallel_attributes,
+    shard_master_weight,
+)
+from .mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from .random import MODEL_PARALLEL_RNG, RNGStatesTracker, model_parallel_seed
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "vocab_parallel_cross_entropy",
+    "copy_to_tensor_model_parallel_region",
+    "reduce_from_tensor_model_parallel_region",
+    "scatter_to_tensor_model_parallel_region",
+    "gather_from_tensor_model_parallel_region",
+    "RNGStatesTracker",
+    "model_parallel_seed",
+    "MODEL_PARALLEL_RNG",
+    "init_normal",
+    "divide",
+    "set_tensor_model_parallel_attributes",
+    "shard_master_weight",
+]

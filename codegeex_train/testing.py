@@ -1,0 +1,101 @@
+"""Run a function on N real gloo ranks on CPU: the harness behind every distributed test.
+
+    results = run_distributed(check_layer, world_size=4, tp_size=2, hidden=16)
+
+spawns 4 processes on a free port, builds the Topology in each, calls ``check_layer(topology, hidden=16)``
+on every rank and returns the per-rank return values. Any rank's exception fails the call with that
+rank's traceback; every collective has a timeout and the whole run a deadline, so a broken test fails
+instead of hanging CI. ``fn`` must be a module-level function (it is pickled into the spawned ranks).
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_lib
+import socket
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .topology import ParallelDims, Topology
+
+
+class RankFailure(AssertionError):
+    """One or more ranks raised (or hung); the message carries their tracebacks."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, dims: ParallelDims, port: int, fn: Callable, kwargs: dict, results, collective_timeout: float):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(dims.world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)  # N ranks share the cores; oversubscription only slows every rank
+    timeout = timedelta(seconds=collective_timeout)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=dims.world_size, timeout=timeout)
+        topology = Topology(dims, rank=rank, timeout=timeout)
+        results.put((rank, None, fn(topology, **kwargs)))
+    except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
+        results.put((rank, traceback.format_exc(), None))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run_once(fn, dims: ParallelDims, kwargs: dict, deadline_s: float, collective_timeout_s: float) -> list[Any]:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, dims, port, fn, kwargs, results, collective_timeout_s), daemon=True)
+        for r in range(dims.world_size)
+    ]
+    for p in procs:
+        p.start()
+    outcomes: dict[int, tuple[str | None, Any]] = {}
+    deadline = time.monotonic() + deadline_s
+    try:
+        while len(outcomes) < dims.world_size:
+            try:
+                rank, error, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue_lib.Empty:
+                break
+            outcomes[rank] = (error, value)
+            if error is not None:
+                # Peers of a failed rank block in collectives; give them a moment to report, then stop.
+                deadline = min(deadline, time.monotonic() + 3.0)
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()) if len(outcomes) == dims.world_size else 0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    failures = [f"--- rank {r} ---\n{err}" for r, (err, _) in sorted(outcomes.items()) if err]
+    missing = [r for r in range(dims.world_size) if r not in outcomes]
+    if failures or missing:
+        hung = f"ranks {missing} did not finish within {deadline_s:.0f} s (killed)\n" if missing else ""
+        raise RankFailure(hung + "\n".join(failures))
+    return [outcomes[r][1] for r in range(dims.world_size)]
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, tp_size: int = 1, pp_size: int = 1, *,
+                    deadline_s: float = 180.0, collective_timeout_s: float = 60.0, **kwargs) -> list[Any]:
+    """Run ``fn(topology, **kwargs)`` on ``world_size`` gloo ranks; return each rank's result."""
+    dims = ParallelDims(world_size, tp_size, pp_size)
+    for attempt in range(3):
+        try:
+            return _run_once(fn, dims, kwargs, deadline_s, collective_timeout_s)
+        except RankFailure as e:
+            # Another process may grab the free port between our probe and rank 0's bind: retry.
+            if "Address already in use" not in str(e) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")

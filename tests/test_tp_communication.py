@@ -1,0 +1,131 @@
+"""What crosses the wire: collectives are counted by wrapping torch.distributed inside each rank."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from codegeex_train.tensor_parallel import (
+    MODEL_PARALLEL_RNG,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    model_parallel_seed,
+    vocab_parallel_cross_entropy,
+)
+from codegeex_train.testing import RankFailure, run_distributed
+
+B, S, H = 2, 8, 16
+
+
+class CollectiveLog:
+    """Records (name, elements) for every collective issued while active."""
+
+    NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+             "broadcast", "all_to_all", "send", "recv")
+
+    def __init__(self):
+        self.calls = []
+
+    def __enter__(self):
+        self._saved = {n: getattr(dist, n) for n in self.NAMES}
+        for name, original in self._saved.items():
+            def wrapped(tensor, *args, _name=name, _orig=original, **kwargs):
+                numel = sum(t.numel() for t in tensor) if isinstance(tensor, list) else tensor.numel()
+                self.calls.append((_name, numel))
+                return _orig(tensor, *args, **kwargs)
+            setattr(dist, name, wrapped)
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+
+    def take(self):
+        calls, self.calls = self.calls, []
+        return calls
+
+
+def count_mlp(topo):
+    column = ColumnParallelLinear(H, 4 * H, topo.tp_group, gather_output=False)
+    row = RowParallelLinear(4 * H, H, topo.tp_group, input_is_parallel=True)
+    x = torch.randn(B, S, H, requires_grad=True)
+    with CollectiveLog() as log:
+        y = row(F.gelu(column(x)))
+        forward = log.take()
+        y.sum().backward()
+        backward = log.take()
+    return forward, backward
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_parallel_mlp_one_all_reduce_each_way(tp):
+    # Seed 000: an MLP moves 4*phi per layer, phi = b*s*h: one all-reduce (2*phi) forward, one backward.
+    for forward, backward in run_distributed(count_mlp, world_size=tp, tp_size=tp):
+        assert forward == [("all_reduce", B * S * H)]
+        assert backward == [("all_reduce", B * S * H)]
+
+
+def count_cross_entropy(topo, vocab):
+    logits = torch.randn(B, S, vocab // topo.tp_size, requires_grad=True)
+    target = torch.randint(0, vocab, (B, S))
+    with CollectiveLog() as log:
+        vocab_parallel_cross_entropy(logits, target, topo.tp_group).sum().backward()
+    return log.take()
+
+
+def test_vocab_parallel_cross_entropy_moves_per_token_numbers_only():
+    small = run_distributed(count_cross_entropy, world_size=2, tp_size=2, vocab=64)
+    large = run_distributed(count_cross_entropy, world_size=2, tp_size=2, vocab=4096)
+    for calls in small + large:
+        assert {name for name, _ in calls} == {"all_reduce"}
+        assert sum(n for _, n in calls) <= 3 * B * S  # row max, then sum-exp and target logit together
+    assert small == large, "traffic must not grow with the vocabulary"
+
+
+def compare_dropout_masks(topo):
+    tracker = model_parallel_seed(1234, topo.tp_rank)
+    ones = torch.ones(1000)
+    replicated = F.dropout(ones, 0.5)  # default stream: same on every TP rank
+    with tracker.fork(MODEL_PARALLEL_RNG):
+        sharded = F.dropout(ones, 0.5)  # TP stream: differs per TP rank
+    again = F.dropout(ones, 0.5)
+    masks = [torch.empty_like(ones) for _ in range(topo.tp_size)]
+    out = {}
+    for name, mask in (("replicated", replicated), ("sharded", sharded), ("again", again)):
+        dist.all_gather(masks, mask, group=topo.tp_group)
+        out[name] = [m.clone() for m in masks]
+    # The fork must not disturb the default stream: 'again' equals a fresh run without the fork.
+    torch.manual_seed(1234)
+    F.dropout(ones, 0.5)
+    assert torch.equal(again, F.dropout(ones, 0.5))
+    return out
+
+
+def test_rng_tracker_masks():
+    masks = run_distributed(compare_dropout_masks, world_size=2, tp_size=2)[0]
+    assert torch.equal(masks["replicated"][0], masks["replicated"][1])
+    assert torch.equal(masks["again"][0], masks["again"][1])
+    assert not torch.equal(masks["sharded"][0], masks["sharded"][1])
+    assert not torch.equal(masks["sharded"][0], masks["replicated"][0])
+
+
+def fail_on_rank_one(topo):
+    if topo.rank == 1:
+        raise RuntimeError("boom on purpose")
+    dist.barrier()  # rank 0 waits for a peer that is gone: must be cut short, not hang
+
+
+def test_harness_reports_failing_rank():
+    with pytest.raises(RankFailure, match=r"(?s)rank 1.*boom on purpose"):
+        run_distributed(fail_on_rank_one, world_size=2, collective_timeout_s=5, deadline_s=60)
+
+
+def hang_on_rank_zero(topo):
+    if topo.rank == 0:
+        dist.all_reduce(torch.ones(1))  # rank 1 never joins
+    return topo.rank
+
+
+def test_harness_times_out_instead_of_hanging():
+    with pytest.raises(RankFailure, match="rank 0"):
+        run_distributed(hang_on_rank_zero, world_size=2, collective_timeout_s=3, deadline_s=30)
