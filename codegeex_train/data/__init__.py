@@ -1,0 +1,1 @@
+"""Data pipeline: tokenizers, corpus readers, indexed datasets and samplers."""

@@ -1,0 +1,278 @@
+"""Corpus readers: JSON lines (optionally gzipped), parquet, plain text and source trees.
+
+`iter_documents` streams documents one by one and reports bad records precisely (file and
+line). `load_corpus` is the Hugging Face `datasets` route to the same inputs, for callers that
+want a `datasets.Dataset` (map, shuffle, shard). Neither ever touches the network.
+
+Formats, by file name: `.json`/`.jsonl` (+ `.gz`) are JSON lines, one object per line, text in
+a field; `.parquet` has a text column; `.txt` is one document per file; a file or directory of
+source files (matched by extension, directories searched recursively in sorted order) gives one
+document per file, optionally prefixed with a CodeGeeX language tag (`# language: Python`).
+Directories yield the files whose extension is in `extensions`, so `extensions=(".jsonl",)`
+reads a directory of JSON lines files.
+"""
+
+import dataclasses
+import gzip
+import json
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+logger = logging.getLogger(__name__)
+
+JSON_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz")
+
+# extension -> (language name, line-comment prefix) for CodeGeeX's language tag.
+LANGUAGES: dict[str, tuple[str, str]] = {
+    ".py": ("Python", "#"),
+    ".c": ("C", "//"),
+    ".h": ("C", "//"),
+    ".cc": ("C++", "//"),
+    ".cpp": ("C++", "//"),
+    ".hpp": ("C++", "//"),
+    ".cu": ("Cuda", "//"),
+    ".java": ("Java", "//"),
+    ".js": ("JavaScript", "//"),
+    ".ts": ("TypeScript", "//"),
+    ".go": ("Go", "//"),
+    ".rs": ("Rust", "//"),
+    ".sh": ("Shell", "#"),
+    ".rb": ("Ruby", "#"),
+    ".sql": ("SQL", "--"),
+    ".lua": ("Lua", "--"),
+}
+
+
+class CorpusError(ValueError):
+    """Bad corpus input; the message names the file (and line) and the fix."""
+
+
+@dataclasses.dataclass
+class CorpusStats:
+    """Counts that `iter_documents` adds to while it runs."""
+
+    files: int = 0
+    documents: int = 0
+    skipped: int = 0
+    """Bad records (invalid JSON, missing/non-string field, undecodable file) skipped."""
+    empty: int = 0
+    """Empty documents, always dropped."""
+
+
+def language_header(path: str | Path) -> str:
+    """CodeGeeX's first line for a source file, e.g. `# language: Python\\n`; '' if unknown."""
+    entry = LANGUAGES.get(Path(path).suffix.lower())
+    return f"{entry[1]} language: {entry[0]}\n" if entry else ""
+
+
+def _kind(path: Path, extensions: tuple[str, ...]) -> str:
+    """How to read a file: "json", "parquet", "txt" (whole) or "source" (whole, may be tagged)."""
+    name = path.name.lower()
+    if name.endswith(JSON_SUFFIXES):
+        return "json"
+    if name.endswith(".parquet"):
+        return "parquet"
+    if name.endswith(".txt"):
+        return "txt"
+    if path.suffix in extensions:
+        return "source"
+    raise CorpusError(
+        f"corpus input {path}: unsupported file type; expected {', '.join(JSON_SUFFIXES)}, "
+        f".parquet, .txt or a source extension in {extensions}"
+    )
+
+
+def _open_text(path: Path) -> IO[str]:
+    if path.name.lower().endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def expand_inputs(inputs: list[str], extensions: tuple[str, ...] = (".py",)) -> list[Path]:
+    """Files named by `inputs`; directories become their source files with `extensions`, sorted."""
+    files: list[Path] = []
+    for name in inputs:
+        path = Path(name)
+        if path.is_dir():
+            found = (p for p in path.rglob("*") if p.is_file() and p.suffix in extensions)
+            files.extend(sorted(found, key=lambda p: p.relative_to(path).as_posix()))
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise CorpusError(f"corpus input {name}: no such file or directory")
+    return files
+
+
+def _bad(message: str, skip_bad_lines: bool, stats: CorpusStats) -> None:
+    if not skip_bad_lines:
+        raise CorpusError(f"{message} (to skip such records: skip_bad_lines / --skip-bad-lines)")
+    stats.skipped += 1
+
+
+def _field(record: Any, key: str) -> str | None:
+    value = record.get(key) if isinstance(record, dict) else None
+    return value if isinstance(value, str) else None
+
+
+def _iter_json_lines(path: Path, key: str, skip: bool, stats: CorpusStats) -> Iterator[str]:
+    lineno = 0
+    with _open_text(path) as f:
+        try:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    _bad(f"{path}:{lineno}: not valid JSON ({e.msg})", skip, stats)
+                    continue
+                text = _field(record, key)
+                if text is None:
+                    _bad(f"{path}:{lineno}: no string field {key!r}", skip, stats)
+                    continue
+                yield text
+        except (UnicodeDecodeError, EOFError, gzip.BadGzipFile) as e:
+            raise CorpusError(f"{path}: cannot read past line {lineno}: {e}") from e
+
+
+def _iter_parquet(path: Path, key: str, skip: bool, stats: CorpusStats) -> Iterator[str]:
+    datasets = offline_datasets()
+    rows = datasets.load_dataset("parquet", data_files=str(path), split="train", streaming=True)
+    if rows.column_names is not None and key not in rows.column_names:
+        raise CorpusError(f"{path}: no column {key!r} (columns: {', '.join(rows.column_names)})")
+    for row_number, row in enumerate(rows, start=1):
+        text = _field(row, key)
+        if text is None:
+            _bad(f"{path}: row {row_number}: column {key!r} is not a string", skip, stats)
+            continue
+        yield text
+
+
+def _read_whole(path: Path, skip: bool, stats: CorpusStats) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        _bad(f"{path}: not UTF-8 ({e.reason} at byte {e.start})", skip, stats)
+        return None
+
+
+def iter_documents(
+    inputs: list[str],
+    json_keys: tuple[str, ...] = ("text",),
+    extensions: tuple[str, ...] = (".py",),
+    language_tag: bool = False,
+    skip_bad_lines: bool = False,
+    stats: CorpusStats | None = None,
+) -> Iterator[str]:
+    """Yield document texts from files and directories, in input order (see the module doc).
+
+    JSON and parquet documents come from field `json_keys[0]`; to read another field, call again
+    with it first. Empty documents are dropped. Bad records raise CorpusError naming the file
+    and line, or are skipped and counted in `stats` (and a warning) with `skip_bad_lines`.
+    """
+    stats = stats if stats is not None else CorpusStats()
+    key = json_keys[0]
+    for path in expand_inputs(inputs, extensions):
+        stats.files += 1
+        kind = _kind(path, extensions)
+        if kind == "json":
+            texts: Iterator[str] = _iter_json_lines(path, key, skip_bad_lines, stats)
+        elif kind == "parquet":
+            texts = _iter_parquet(path, key, skip_bad_lines, stats)
+        else:
+            text = _read_whole(path, skip_bad_lines, stats)
+            if text and kind == "source" and language_tag:
+                text = language_header(path) + text
+            texts = iter([] if text is None else [text])
+        for doc in texts:
+            if not doc:
+                stats.empty += 1
+                continue
+            stats.documents += 1
+            yield doc
+    if stats.skipped:
+        logger.warning("skipped %d bad records in %s", stats.skipped, inputs)
+    if stats.documents == 0:
+        raise CorpusError(
+            f"no documents found in {inputs} (json field {key!r}, source extensions {extensions})"
+        )
+
+
+def offline_datasets() -> Any:
+    """The `datasets` module, with hub access off unless the user already chose otherwise."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # Imported late: datasets reads the variables above at import time. Local files with the
+    # packaged json/parquet/text builders need no hub anyway; this guards against a stray lookup.
+    import datasets
+
+    return datasets
+
+
+def load_corpus(
+    inputs: list[str],
+    json_keys: tuple[str, ...] = ("text",),
+    extensions: tuple[str, ...] = (".py",),
+    language_tag: bool = False,
+    cache_dir: str | None = None,
+) -> Any:
+    """The same documents as `iter_documents`, as one `datasets.Dataset` with a "text" column.
+
+    JSON lines, parquet and .txt files go through the `datasets` builders (cached under
+    `cache_dir`); source files are read by `iter_documents` into memory. Documents keep the
+    input order. Bad records raise CorpusError; for dirty data use
+    `iter_documents(..., skip_bad_lines=True)`.
+    """
+    datasets = offline_datasets()
+    key = json_keys[0]
+    groups: list[tuple[str, list[Path]]] = []  # consecutive files of one kind, in input order
+    for path in expand_inputs(inputs, extensions):
+        kind = _kind(path, extensions)
+        if groups and groups[-1][0] == kind:
+            groups[-1][1].append(path)
+        else:
+            groups.append((kind, [path]))
+    parts = []
+    for kind, paths in groups:
+        names = [str(p) for p in paths]
+        if kind in ("json", "parquet"):
+            parts.append(_load_with_builder(datasets, kind, paths, key, cache_dir))
+        elif kind == "txt":
+            kwargs = {"sample_by": "document", "cache_dir": cache_dir}
+            parts.append(datasets.load_dataset("text", data_files=names, split="train", **kwargs))
+        else:
+            docs = list(iter_documents(names, extensions=extensions, language_tag=language_tag))
+            parts.append(datasets.Dataset.from_dict({"text": docs}))
+    corpus = parts and datasets.concatenate_datasets(parts).filter(lambda row: bool(row["text"]))
+    if not corpus:
+        raise CorpusError(
+            f"no documents found in {inputs} (json field {key!r}, source extensions {extensions})"
+        )
+    return corpus
+
+
+def _load_with_builder(
+    datasets: Any, builder: str, files: list[Path], key: str, cache_dir: str | None
+) -> Any:
+    names = [str(p) for p in files]
+    try:
+        data = datasets.load_dataset(builder, data_files=names, split="train", cache_dir=cache_dir)
+        error: Exception | None = None
+    except Exception as e:  # datasets names no line; our own reader below does
+        data, error = None, e
+    if (
+        data is not None
+        and getattr(data.features.get(key), "dtype", None) in ("string", "large_string")
+        and data.data.column(key).null_count == 0  # rows lacking the field come back as null
+    ):
+        data = data.select_columns([key])
+        return data.rename_column(key, "text") if key != "text" else data
+    read = _iter_json_lines if builder == "json" else _iter_parquet
+    for path in files:
+        for _ in read(path, key, False, CorpusStats()):
+            pass
+    columns = data.column_names if data is not None else "?"
+    raise CorpusError(f"datasets could not read {key!r} from {names} (columns {columns}): {error}")

@@ -1,0 +1,92 @@
+"""Resumable distributed batch sampler (Megatron's ``MegatronPretrainingSampler``) and loader.
+
+The dataset is already shuffled (GPTDataset's shuffle_idx), so the global order is simply
+0, 1, 2, ...: global step s covers samples ``[s * G, (s + 1) * G)`` with
+``G = micro_batch_size * dp_size``, and DP rank r takes the contiguous slice
+``[r * micro_batch_size, (r + 1) * micro_batch_size)`` of it. Resuming is starting at
+``consumed_samples`` (saved in the checkpoint); nothing else has state.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+__all__ = ["PretrainingSampler", "build_pretraining_data_loader"]
+
+
+class PretrainingSampler:
+    """Yields this DP rank's micro-batches (lists of dataset indices) from ``consumed_samples``."""
+
+    def __init__(
+        self,
+        total_samples: int,
+        consumed_samples: int,
+        micro_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        drop_last: bool = True,
+    ) -> None:
+        if total_samples <= 0:
+            raise ValueError(f"total_samples must be > 0, got {total_samples} (empty dataset?)")
+        if not 0 <= consumed_samples < total_samples:
+            raise ValueError(
+                f"consumed_samples {consumed_samples} must be in [0, total_samples={total_samples}): "
+                "the checkpoint has consumed the whole dataset; raise --train-samples/--train-iters"
+            )
+        if micro_batch_size <= 0:
+            raise ValueError(f"--micro-batch-size must be > 0, got {micro_batch_size}")
+        if dp_size <= 0 or not 0 <= dp_rank < dp_size:
+            raise ValueError(f"data-parallel rank {dp_rank} is not in [0, dp_size={dp_size})")
+        self.total_samples = total_samples
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.drop_last = drop_last
+
+    @property
+    def global_step_size(self) -> int:
+        return self.micro_batch_size * self.dp_size
+
+    def __len__(self) -> int:
+        """Micro-batches this rank will yield."""
+        remaining = self.total_samples - self.consumed_samples
+        full, rest = divmod(remaining, self.global_step_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        step = self.global_step_size
+        lo = self.dp_rank * self.micro_batch_size
+        start = self.consumed_samples
+        while start + step <= self.total_samples:
+            yield list(range(start + lo, start + lo + self.micro_batch_size))
+            start += step
+        # As Megatron: the last partial step is split the same way, so trailing ranks may get a
+        # short or empty list; keep drop_last=True for training, where every rank must step.
+        if start < self.total_samples and not self.drop_last:
+            yield list(range(min(start + lo, self.total_samples),
+                             min(start + lo + self.micro_batch_size, self.total_samples)))
+
+
+def build_pretraining_data_loader(
+    dataset: torch.utils.data.Dataset,
+    consumed_samples: int,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    num_workers: int = 0,
+    total_samples: int | None = None,
+) -> torch.utils.data.DataLoader:
+    """DataLoader over this rank's micro-batches; batches are ``{"text": LongTensor (b, s + 1)}``."""
+    sampler = PretrainingSampler(
+        total_samples if total_samples is not None else len(dataset),
+        consumed_samples,
+        micro_batch_size,
+        dp_rank,
+        dp_size,
+    )
+    return torch.utils.data.DataLoader(
+        dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=False
+    )

@@ -1,0 +1,252 @@
+"""Tokenizers behind one small interface, built from Megatron's `--tokenizer-type` names.
+
+- HFTokenizer: a `tokenizer.json` (--tokenizer-model), e.g. the shipped default.
+- GPT2BPETokenizer: GPT-2 style `vocab.json` + `merges.txt` (--vocab-file, --merge-file).
+- SentencePieceTokenizer: a SentencePiece `.model` file (--tokenizer-model).
+
+`whitespace_encoding=True` adds CodeGeeX's whitespace encoding on top of any of them (see
+`whitespace.py`); extra tokens the tokenizer lacks are appended after its last id.
+
+We call the `tokenizers` library directly rather than `PreTrainedTokenizerFast`: its decode is
+byte-exact for byte-level BPE, with no `clean_up_tokenization_spaces` to undo.
+"""
+
+import abc
+import os
+from pathlib import Path
+
+import tokenizers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+
+from codegeex_train.data.whitespace import (
+    DEFAULT_MAX_WHITESPACE_RUN,
+    split_whitespace_runs,
+    whitespace_token,
+)
+
+EOD_TOKEN = "<|endoftext|>"
+TOKENIZER_TYPES = ("HFTokenizer", "GPT2BPETokenizer", "SentencePieceTokenizer")
+DEFAULT_TOKENIZER_PATH = str(Path(__file__).parent / "assets" / "default_tokenizer.json")
+
+
+class Tokenizer(abc.ABC):
+    """What the data pipeline needs from a tokenizer."""
+
+    vocab_size: int
+    """Number of ids the tokenizer can emit (max id + 1), added tokens included."""
+    eod: int
+    """End-of-document id, appended after each document."""
+
+    @abc.abstractmethod
+    def encode(self, text: str) -> list[int]: ...
+
+    @abc.abstractmethod
+    def decode(self, ids: list[int]) -> str: ...
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(text) for text in texts]
+
+    @abc.abstractmethod
+    def add_tokens(self, tokens: list[str]) -> list[int]:
+        """Ids of `tokens`, appending those the vocabulary lacks (vocab_size grows)."""
+
+
+class HFTokenizer(Tokenizer):
+    """A `tokenizers.Tokenizer`; `<|endoftext|>` is registered as a special token if missing.
+
+    Text is only ever text: a document that literally contains `<|endoftext|>` (or a whitespace
+    token) encodes to ordinary tokens, so it can neither fake a document boundary nor lose its
+    exact round trip. Special ids come only from the pipeline itself (eod, whitespace runs).
+    """
+
+    def __init__(self, tokenizer: tokenizers.Tokenizer):
+        tokenizer.encode_special_tokens = True
+        self._tokenizer = tokenizer
+        self.eod = self.add_tokens([EOD_TOKEN])[0]
+
+    @classmethod
+    def from_file(cls, path: str) -> "HFTokenizer":
+        return cls(tokenizers.Tokenizer.from_file(path))
+
+    @classmethod
+    def from_gpt2_files(cls, vocab_file: str, merge_file: str) -> "HFTokenizer":
+        # transformers 5.x GPT2TokenizerFast(vocab_file=, merges_file=) silently builds an empty
+        # tokenizer, so assemble GPT-2's pipeline ourselves.
+        tokenizer = tokenizers.Tokenizer(models.BPE.from_file(vocab_file, merge_file))
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        return cls(tokenizer)
+
+    def _refresh_vocab_size(self) -> None:
+        # max id + 1, not get_vocab_size(): a hand-edited file may have holes in its ids.
+        self.vocab_size = max(self._tokenizer.get_vocab(with_added_tokens=True).values()) + 1
+
+    def add_tokens(self, tokens: list[str]) -> list[int]:
+        missing = [t for t in tokens if self._tokenizer.token_to_id(t) is None]
+        if missing:
+            self._tokenizer.add_special_tokens(
+                [AddedToken(t, special=True, normalized=False) for t in missing]
+            )
+        self._refresh_vocab_size()
+        return [self._tokenizer.token_to_id(t) for t in tokens]
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=False)
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A SentencePiece model; eod is its `</s>` (or a `<|endoftext|>` piece if eos is off)."""
+
+    def __init__(self, model_file: str):
+        import sentencepiece  # optional dependency (the dev extra)
+
+        self._sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        self.vocab_size = self._sp.get_piece_size()
+        self._added: dict[str, int] = {}
+        eod = self._sp.eos_id()
+        if eod < 0:
+            eod = self._sp.piece_to_id(EOD_TOKEN)
+            if eod == self._sp.unk_id():
+                raise ValueError(f"SentencePiece model {model_file}: no eos and no {EOD_TOKEN}")
+        self.eod = eod
+
+    def add_tokens(self, tokens: list[str]) -> list[int]:
+        # Only reserves ids (whitespace encoding emits them itself); the .model file is untouched.
+        for token in tokens:
+            if token not in self._added:
+                self._added[token] = self.vocab_size
+                self.vocab_size += 1
+        return [self._added[t] for t in tokens]
+
+    def encode(self, text: str) -> list[int]:
+        return self._sp.encode(text)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self._sp.encode(texts)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._sp.decode(ids)
+
+
+class WhitespaceEncodingTokenizer(Tokenizer):
+    """Wraps a tokenizer so each run of 2..max_run spaces is one extra token (CodeGeeX).
+
+    Text between runs goes to the inner tokenizer, all pieces of a batch in one call. Decoding
+    turns those ids back into spaces, so the round trip is exact whenever the inner tokenizer's
+    is (byte-level BPE: always; SentencePiece: only if trained to keep whitespace).
+    """
+
+    def __init__(self, inner: Tokenizer, max_run: int = DEFAULT_MAX_WHITESPACE_RUN):
+        self.inner = inner
+        self.max_run = max_run
+        run_lengths = range(2, max_run + 1)
+        ids = inner.add_tokens([whitespace_token(n) for n in run_lengths])
+        self._run_to_id = dict(zip(run_lengths, ids))
+        self._id_to_run = {i: n for n, i in self._run_to_id.items()}
+        self.eod = inner.eod
+
+    @property
+    def vocab_size(self) -> int:  # type: ignore[override]
+        return self.inner.vocab_size
+
+    def add_tokens(self, tokens: list[str]) -> list[int]:
+        return self.inner.add_tokens(tokens)
+
+    def encode(self, text: str) -> list[int]:
+        return self.encode_batch([text])[0]
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        split = [split_whitespace_runs(t, self.max_run) for t in texts]
+        pieces = [p for parts in split for p in parts if isinstance(p, str)]
+        encoded = iter(self.inner.encode_batch(pieces))
+        out = []
+        for parts in split:
+            ids: list[int] = []
+            for p in parts:
+                ids.extend([self._run_to_id[p]] if isinstance(p, int) else next(encoded))
+            out.append(ids)
+        return out
+
+    def decode(self, ids: list[int]) -> str:
+        out: list[str] = []
+        start = 0
+        for pos, i in enumerate(ids):
+            if i in self._id_to_run:
+                # Decode each stretch between runs on its own: runs sit at character boundaries.
+                if start < pos:
+                    out.append(self.inner.decode(ids[start:pos]))
+                out.append(" " * self._id_to_run[i])
+                start = pos + 1
+        if start < len(ids):
+            out.append(self.inner.decode(ids[start:]))
+        return "".join(out)
+
+
+def _require_file(path: str | None, flag: str, tokenizer_type: str) -> str:
+    if path is None:
+        raise ValueError(f"--tokenizer-type {tokenizer_type} needs {flag}")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{flag} {path}: no such file (tokenizer type {tokenizer_type})")
+    return path
+
+
+def build_tokenizer(
+    tokenizer_type: str,
+    tokenizer_model: str | None = None,
+    vocab_file: str | None = None,
+    merge_file: str | None = None,
+    whitespace_encoding: bool = False,
+    max_whitespace_run: int = DEFAULT_MAX_WHITESPACE_RUN,
+) -> Tokenizer:
+    """Build a tokenizer from Megatron-style flags; errors name the flag to fix."""
+    if tokenizer_type == "HFTokenizer":
+        path = _require_file(tokenizer_model, "--tokenizer-model", tokenizer_type)
+        tokenizer: Tokenizer = HFTokenizer.from_file(path)
+    elif tokenizer_type == "GPT2BPETokenizer":
+        vocab = _require_file(vocab_file, "--vocab-file", tokenizer_type)
+        merges = _require_file(merge_file, "--merge-file", tokenizer_type)
+        tokenizer = HFTokenizer.from_gpt2_files(vocab, merges)
+    elif tokenizer_type == "SentencePieceTokenizer":
+        path = _require_file(tokenizer_model, "--tokenizer-model", tokenizer_type)
+        tokenizer = SentencePieceTokenizer(path)
+    else:
+        raise ValueError(
+            f"unknown --tokenizer-type {tokenizer_type!r}; valid: {', '.join(TOKENIZER_TYPES)}"
+        )
+    if whitespace_encoding:
+        tokenizer = WhitespaceEncodingTokenizer(tokenizer, max_whitespace_run)
+    return tokenizer
+
+
+def default_tokenizer(whitespace_encoding: bool = True) -> Tokenizer:
+    """The shipped byte-level BPE (vocab 8192, trained on the stdlib's Python source).
+
+    Whitespace encoding is on by default: the file already holds the extra tokens, so it costs
+    no vocabulary, and indented code gets noticeably shorter.
+    """
+    path = DEFAULT_TOKENIZER_PATH
+    return build_tokenizer("HFTokenizer", path, whitespace_encoding=whitespace_encoding)
+
+
+def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tp_size: int = 1) -> int:
+    """Megatron's padding: round up to a multiple of divisible_by * tp so every TP shard is even."""
+    multiple = make_vocab_size_divisible_by * tp_size
+    return -(-vocab_size // multiple) * multiple
+
+
+def check_tokenizer_fits_vocab(tokenizer: Tokenizer, padded_vocab_size: int) -> None:
+    """ValueError when the tokenizer can emit ids the model's embedding has no row for."""
+    if tokenizer.vocab_size > padded_vocab_size:
+        raise ValueError(
+            f"tokenizer vocab size {tokenizer.vocab_size} (ids up to {tokenizer.vocab_size - 1}) "
+            f"exceeds the model's padded vocab size {padded_vocab_size}: use a tokenizer file "
+            f"with at most {padded_vocab_size} ids (--tokenizer-model / --vocab-file), or a model "
+            f"vocab of at least {tokenizer.vocab_size} "
+            "(--make-vocab-size-divisible-by / --padded-vocab-size)"
+        )

@@ -1,0 +1,83 @@
+"""Tokenize a corpus into Megatron indexed datasets: PREFIX_{key}_document.bin/.idx.
+
+Flags are Megatron-LM's (tools/preprocess_data.py), so existing scripts keep working.
+
+The embedded demo corpus (this Python's stdlib .py files) with the shipped tokenizer:
+
+    python tools/preprocess_data.py --input default --output-prefix data/stdlib \\
+        --whitespace-encoding --append-eod --workers 2
+
+JSON lines (field "content") with a GPT-2 BPE vocabulary:
+
+    python tools/preprocess_data.py --input code.jsonl.gz --json-keys content \\
+        --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt \\
+        --output-prefix data/code --append-eod --workers 8
+
+Train with --data-path data/stdlib_text_document.
+"""
+
+import argparse
+
+from codegeex_train.data.preprocess import DEFAULT_INPUT, TokenizerSpec, preprocess
+from codegeex_train.data.tokenizer import DEFAULT_TOKENIZER_PATH, TOKENIZER_TYPES
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    data = parser.add_argument_group("input data")
+    data.add_argument("--input", nargs="+", default=[DEFAULT_INPUT],
+                      help="files (.jsonl[.gz], .parquet, .txt, source) or directories; "
+                      f"'{DEFAULT_INPUT}' = the stdlib's .py files (the default)")
+    data.add_argument("--json-keys", nargs="+", default=["text"],
+                      help="JSON fields to extract; one output dataset per key")
+    data.add_argument("--extensions", nargs="+", default=[".py"],
+                      help="source file extensions searched for in directories")
+    data.add_argument("--language-tag", action="store_true",
+                      help="prefix source files with CodeGeeX's '# language: X' line")
+    data.add_argument("--skip-bad-lines", action="store_true",
+                      help="skip (and count) malformed JSON lines instead of failing")
+    tok = parser.add_argument_group("tokenizer")
+    tok.add_argument("--tokenizer-type", default="HFTokenizer", choices=TOKENIZER_TYPES)
+    tok.add_argument("--tokenizer-model", default=DEFAULT_TOKENIZER_PATH,
+                     help="tokenizer.json (HFTokenizer) or .model (SentencePieceTokenizer); "
+                     "default: the shipped 8192-token BPE")
+    tok.add_argument("--vocab-file", help="GPT2BPETokenizer vocab (encoder.json / vocab.json)")
+    tok.add_argument("--merge-file", help="GPT2BPETokenizer merges (vocab.bpe / merges.txt)")
+    tok.add_argument("--whitespace-encoding", action="store_true",
+                     help="CodeGeeX's whitespace tokens for runs of spaces (use with the default "
+                     "tokenizer, and the same setting in training)")
+    tok.add_argument("--append-eod", action="store_true",
+                     help="append the end-of-document token to every document")
+    out = parser.add_argument_group("output")
+    out.add_argument("--output-prefix", required=True,
+                     help="writes OUTPUT_PREFIX_{key}_document.bin/.idx")
+    run = parser.add_argument_group("runtime")
+    run.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    run.add_argument("--log-interval", type=int, default=100,
+                     help="documents between throughput updates of the progress bar")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    spec = TokenizerSpec(args.tokenizer_type, args.tokenizer_model, args.vocab_file,
+                         args.merge_file, args.whitespace_encoding)
+    summary = preprocess(
+        args.input,
+        args.output_prefix,
+        spec,
+        json_keys=args.json_keys,
+        append_eod=args.append_eod,
+        workers=args.workers,
+        extensions=args.extensions,
+        language_tag=args.language_tag,
+        skip_bad_lines=args.skip_bad_lines,
+        log_interval=args.log_interval,
+    )
+    print(summary)
+
+
+if __name__ == "__main__":
+    main()
