@@ -16,7 +16,7 @@ from .mappings import (
     reduce_from_tensor_model_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from .random import MODEL_PARALLEL_RNG, RNGStatesTracker, model_parallel_seed
+from .random import MODEL_PARALLEL_RNG, RNGStatesTracker, checkpoint, model_parallel_seed
 
 __all__ = [
     "ColumnParallelLinear",
@@ -29,6 +29,7 @@ __all__ = [
     "gather_from_tensor_model_parallel_region",
     "RNGStatesTracker",
     "model_parallel_seed",
+    "checkpoint",
     "MODEL_PARALLEL_RNG",
     "init_normal",
     "divide",

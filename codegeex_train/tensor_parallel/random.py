@@ -75,3 +75,44 @@ def model_parallel_seed(seed: int, tp_rank: int, device: torch.device | str = "c
     tracker = RNGStatesTracker(device)
     tracker.add(MODEL_PARALLEL_RNG, seed + _TP_SEED_OFFSET + tp_rank)
     return tracker
+
+
+class _CheckpointFunction(torch.autograd.Function):
+    """Drop a block's activations in forward and recompute them in backward under the same RNG states
+    (default stream and every tracker stream), so dropout masks and thus results are unchanged."""
+
+    @staticmethod
+    def forward(ctx, function, tracker, device, *args):
+        ctx.function, ctx.tracker, ctx.device = function, tracker, device
+        ctx.rng_state = _get_state(device)
+        ctx.cpu_rng_state = torch.get_rng_state()
+        ctx.tracker_states = tracker.get_states() if tracker is not None else None
+        ctx.save_for_backward(*args)
+        with torch.no_grad():
+            return function(*args)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
+        # Swap in the forward-time states, recompute, then put the current states back.
+        now = (_get_state(ctx.device), torch.get_rng_state(), ctx.tracker.get_states() if ctx.tracker else None)
+        _set_state(ctx.rng_state, ctx.device)
+        torch.set_rng_state(ctx.cpu_rng_state)
+        if ctx.tracker is not None:
+            ctx.tracker.set_states(ctx.tracker_states)
+        with torch.enable_grad():
+            outputs = ctx.function(*inputs)
+        _set_state(now[0], ctx.device)
+        torch.set_rng_state(now[1])
+        if ctx.tracker is not None:
+            ctx.tracker.set_states(now[2])
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None, None, None) + tuple(x.grad if x.requires_grad else None for x in inputs)
+
+
+def checkpoint(function, tracker: RNGStatesTracker | None, *args: torch.Tensor):
+    """Activation checkpointing of ``function(*args)`` (tensor args only) that keeps dropout exact."""
+    device = tracker.device if tracker is not None else torch.device("cpu")
+    return _CheckpointFunction.apply(function, tracker, device, *args)

@@ -1,0 +1,103 @@
+"""CodeGeeXModel: one pipeline stage of the GPT decoder with CodeGeeX's top query layer.
+
+    model = CodeGeeXModel(config, topology.tp_group, tracker, seed=1234)
+    logits_shard = model(input_ids, position_ids)                   # (b, s, v/tp)
+    loss = model(input_ids, position_ids, labels=labels)            # (b, s) per-token loss, fp32
+    logits = model(input_ids, position_ids, gather_logits=True)     # (b, s, v)
+
+A stage without ``pre_process`` takes hidden states (b, s, h) instead of ids; one without
+``post_process`` returns hidden states. Position ids are always passed: the last stage's top query layer
+looks its queries up by position. Parameter names use global layer numbers (``layers.7.mlp...``), so a
+stage's state dict keys and initial values do not depend on how the layers are split.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..tensor_parallel import RNGStatesTracker, checkpoint, vocab_parallel_cross_entropy
+from ..tensor_parallel.mappings import ProcessGroup, group_rank, group_size
+from .config import ModelConfig
+from .embedding import ReplicatedEmbedding, parallel_lm_logits, word_embeddings
+from .init import ParamInit
+from .transformer import ParallelTransformerLayer, TopQueryLayer, layer_norm
+
+
+class CodeGeeXModel(nn.Module):
+    """One pipeline stage (by default the whole model) of CodeGeeX; see the module docstring."""
+
+    def __init__(self, config: ModelConfig, tp_group: ProcessGroup | None, rng_tracker: RNGStatesTracker | None, *,
+                 seed: int = 1234, pre_process: bool = True, post_process: bool = True,
+                 layer_numbers: range | None = None, checkpoint_activations: bool = False,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+        super().__init__()
+        config.validate(group_size(tp_group))  # a bad shape fails here, before any weight or collective
+        self.config, self.tp_group, self.rng_tracker = config, tp_group, rng_tracker
+        self.pre_process, self.post_process = pre_process, post_process
+        self.checkpoint_activations = checkpoint_activations
+        self.layer_numbers = range(config.num_layers) if layer_numbers is None else layer_numbers
+        if self.layer_numbers and (self.layer_numbers[0] < 0 or self.layer_numbers[-1] >= config.num_layers):
+            raise ValueError(f"layer_numbers {self.layer_numbers} outside 0..{config.num_layers - 1} (--num-layers)")
+        init = ParamInit(seed, config.init_method_std, config.num_layers)
+        h, kw = config.hidden_size, {"dtype": dtype, "device": device}
+
+        if pre_process or post_process:
+            self.word_embeddings = word_embeddings(config.padded_vocab_size, h, tp_group, init, **kw)
+        if pre_process:
+            self.position_embeddings = ReplicatedEmbedding(config.max_position_embeddings, h, init,
+                                                           "position_embeddings.weight", **kw)
+        # Keys are global layer numbers: the names (and so the init seeds) are the same at every PP split.
+        self.layers = nn.ModuleDict({
+            str(i): ParallelTransformerLayer(config, tp_group, rng_tracker, init, f"layers.{i}.", **kw)
+            for i in self.layer_numbers
+        })
+        if post_process:
+            self.final_layernorm = layer_norm(config, dtype, device)
+            if config.top_query_layer:
+                self.top_query_embeddings = ReplicatedEmbedding(config.max_position_embeddings, h, init,
+                                                                "top_query_embeddings.weight", **kw)
+                self.top_query_layer = TopQueryLayer(config, tp_group, rng_tracker, init, "top_query_layer.", **kw)
+
+    @property
+    def tp_size(self) -> int:
+        return group_size(self.tp_group)
+
+    @property
+    def tp_rank(self) -> int:
+        return group_rank(self.tp_group)
+
+    def _run(self, fn, *tensors: torch.Tensor) -> torch.Tensor:
+        if self.checkpoint_activations and self.training and torch.is_grad_enabled():
+            return checkpoint(fn, self.rng_tracker, *tensors)  # restores both RNG streams on recompute
+        return fn(*tensors)
+
+    def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
+                gather_logits: bool = False) -> torch.Tensor:
+        """``inputs``: token ids (b, s) on the first stage, hidden states (b, s, h) elsewhere.
+
+        Returns hidden states (b, s, h) unless ``post_process``; then the per-token loss (b, s) fp32
+        when ``labels`` are given (vocab-parallel, logits never gathered), else the logits shard
+        (b, s, v/tp), or the full logits (b, s, v) with ``gather_logits``.
+        """
+        self.config.check_sequence_length(position_ids.shape[-1])
+        if self.pre_process:
+            words = self.word_embeddings(inputs)  # (b, s, h), all-reduced over TP
+            hidden = words + self.position_embeddings(position_ids)
+            hidden = nn.functional.dropout(hidden, self.config.hidden_dropout, self.training)  # replicated: default RNG
+        else:
+            hidden = inputs  # (b, s, h) from the previous stage
+        for layer in self.layers.values():
+            hidden = self._run(layer, hidden)
+        if not self.post_process:
+            return hidden
+
+        hidden = self.final_layernorm(hidden)
+        if self.config.top_query_layer:
+            queries = self.top_query_embeddings(position_ids)  # (b, s, h)
+            hidden = self._run(self.top_query_layer, hidden, queries)
+        logits = parallel_lm_logits(hidden, self.word_embeddings.weight, self.tp_group,
+                                    gather=gather_logits and labels is None)  # (b, s, v/tp)
+        if labels is None:
+            return logits
+        return vocab_parallel_cross_entropy(logits.float(), labels, self.tp_group)  # (b, s)

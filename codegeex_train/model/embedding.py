@@ -1,0 +1,49 @@
+"""Input embeddings (vocab-parallel words + replicated learned positions) and the tied output layer."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..tensor_parallel import (
+    VocabParallelEmbedding,
+    copy_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region,
+)
+from ..tensor_parallel.mappings import ProcessGroup
+from .init import ParamInit
+
+
+class ReplicatedEmbedding(nn.Module):
+    """A plain lookup table every TP rank holds whole (positions, CodeGeeX's top queries)."""
+
+    def __init__(self, num: int, dim: int, init: ParamInit, name: str, *, dtype: torch.dtype = torch.float32,
+                 device=None):
+        super().__init__()
+        self.weight = init.replicated(name, (num, dim), dtype, device)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)  # (b, s, h)
+
+
+def word_embeddings(padded_vocab: int, hidden: int, tp_group: ProcessGroup | None, init: ParamInit, *,
+                    dtype: torch.dtype = torch.float32, device=None) -> VocabParallelEmbedding:
+    """The word table, rows split by vocab range. Built under the same name (so with the same values)
+    on the first stage and, as the tied output layer's copy, on the last; tagged ``shared_embedding``
+    so training all-reduces its grad over the embedding group (a no-op when one stage holds both)."""
+    emb = VocabParallelEmbedding(padded_vocab, hidden, tp_group, init_method=init.normal("word_embeddings.weight"),
+                                 dtype=dtype, device=device)
+    emb.weight.shared_embedding = True
+    return emb
+
+
+def parallel_lm_logits(hidden: torch.Tensor, weight_shard: torch.Tensor, tp_group: ProcessGroup | None,
+                       gather: bool = False) -> torch.Tensor:
+    """Logits against the tied word table: (b, s, h) -> (b, s, v/tp), or (b, s, v) gathered.
+
+    f (copy) on the input: backward all-reduces dH, since each rank's vocab slice contributes to it.
+    """
+    hidden = copy_to_tensor_model_parallel_region(hidden, tp_group)
+    logits = F.linear(hidden, weight_shard)  # (b, s, v/tp)
+    return gather_from_tensor_model_parallel_region(logits, tp_group) if gather else logits

@@ -1,0 +1,47 @@
+"""The transformer MLP, split Megatron-style: column-parallel h -> ffn, row-parallel ffn -> h."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from ..tensor_parallel.mappings import ProcessGroup
+from .config import ModelConfig
+from .init import ParamInit
+
+
+def fast_gelu(x: torch.Tensor) -> torch.Tensor:
+    """CodeGeeX's sigmoid approximation of GELU."""
+    return x * torch.sigmoid(1.702 * x)
+
+
+def activation_fn(name: str):
+    if name == "gelu":
+        return F.gelu
+    if name == "gelu_tanh":  # GPT-2's gelu_new
+        return lambda x: F.gelu(x, approximate="tanh")
+    if name == "fast_gelu":
+        return fast_gelu
+    raise ValueError(f"unknown --activation {name!r}: choose gelu, gelu_tanh or fast_gelu")
+
+
+class ParallelMLP(nn.Module):
+    """h -> ffn/tp (no communication), activation, ffn/tp -> h (one all-reduce forward; the f in the
+    first linear gives the one all-reduce backward)."""
+
+    def __init__(self, config: ModelConfig, tp_group: ProcessGroup | None, init: ParamInit, prefix: str, *,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+        super().__init__()
+        h, ffn = config.hidden_size, config.ffn_hidden_size
+        self.dense_h_to_4h = ColumnParallelLinear(h, ffn, tp_group, dtype=dtype, device=device,
+                                                  init_method=init.normal(prefix + "dense_h_to_4h.weight"))
+        self.dense_4h_to_h = RowParallelLinear(ffn, h, tp_group, input_is_parallel=True,
+                                               init_method=init.scaled(prefix + "dense_4h_to_h.weight"),
+                                               dtype=dtype, device=device)
+        self.activation = activation_fn(config.activation)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        inner = self.activation(self.dense_h_to_4h(x))  # (b, s, ffn/tp)
+        return self.dense_4h_to_h(inner)  # (b, s, h), all-reduced
