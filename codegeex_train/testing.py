@@ -64,11 +64,21 @@ def _run_once(fn, dims: ParallelDims, kwargs: dict, deadline_s: float, collectiv
     outcomes: dict[int, tuple[str | None, Any]] = {}
     deadline = time.monotonic() + deadline_s
     try:
-        while len(outcomes) < dims.world_size:
+        while len(outcomes) < dims.world_size and time.monotonic() < deadline:
             try:
-                rank, error, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
+                rank, error, value = results.get(timeout=0.2)
             except queue_lib.Empty:
-                break
+                # A rank that died without reporting (killed, os._exit) fails the run now, not at the deadline.
+                dead = [r for r, p in enumerate(procs) if r not in outcomes and p.exitcode is not None]
+                while dead and not results.empty():  # a report may have landed just before the exit
+                    rank, error, value = results.get(timeout=1.0)
+                    outcomes[rank] = (error, value)
+                dead = [r for r in dead if r not in outcomes]
+                for r in dead:
+                    outcomes[r] = (f"process exited with code {procs[r].exitcode} without reporting", None)
+                if dead:
+                    deadline = min(deadline, time.monotonic() + 3.0)
+                continue
             outcomes[rank] = (error, value)
             if error is not None:
                 # Peers of a failed rank block in collectives; give them a moment to report, then stop.

@@ -170,6 +170,10 @@ class MMapIndexedDataset:
     def document_indices(self) -> np.ndarray:
         return self._doc_indices
 
+    def head_tokens(self, count: int) -> np.ndarray:
+        """The first ``count`` tokens of the .bin file, across sequence boundaries."""
+        return np.frombuffer(self._bin, dtype=self.dtype, count=min(count, self.num_tokens))
+
     @property
     def num_tokens(self) -> int:
         return int(self._lengths.sum(dtype=np.int64))

@@ -234,12 +234,6 @@ def default_tokenizer(whitespace_encoding: bool = True) -> Tokenizer:
     return build_tokenizer("HFTokenizer", path, whitespace_encoding=whitespace_encoding)
 
 
-def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tp_size: int = 1) -> int:
-    """Megatron's padding: round up to a multiple of divisible_by * tp so every TP shard is even."""
-    multiple = make_vocab_size_divisible_by * tp_size
-    return -(-vocab_size // multiple) * multiple
-
-
 def check_tokenizer_fits_vocab(tokenizer: Tokenizer, padded_vocab_size: int) -> None:
     """ValueError when the tokenizer can emit ids the model's embedding has no row for."""
     if tokenizer.vocab_size > padded_vocab_size:
@@ -248,5 +242,5 @@ def check_tokenizer_fits_vocab(tokenizer: Tokenizer, padded_vocab_size: int) -> 
             f"exceeds the model's padded vocab size {padded_vocab_size}: use a tokenizer file "
             f"with at most {padded_vocab_size} ids (--tokenizer-model / --vocab-file), or a model "
             f"vocab of at least {tokenizer.vocab_size} "
-            "(--make-vocab-size-divisible-by / --padded-vocab-size)"
+            "(--make-vocab-size-divisible-by)"
         )

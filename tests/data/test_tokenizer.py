@@ -18,7 +18,6 @@ from codegeex_train.data.tokenizer import (
     build_tokenizer,
     check_tokenizer_fits_vocab,
     default_tokenizer,
-    padded_vocab_size,
 )
 from codegeex_train.data.whitespace import (
     split_whitespace_runs,
@@ -265,15 +264,6 @@ def test_check_tokenizer_fits_vocab():
     with pytest.raises(ValueError, match="--make-vocab-size-divisible-by") as err:
         check_tokenizer_fits_vocab(tok, 8000)
     assert "8192" in str(err.value) and "8000" in str(err.value)
-
-
-def test_padded_vocab_size():
-    assert padded_vocab_size(8192, 128, tp_size=2) == 8192
-    assert padded_vocab_size(50400, 128, tp_size=1) == 50432
-    assert padded_vocab_size(50257, 128, tp_size=4) == 50688
-
-
-# ---- the training tool ----
 
 
 def test_train_tool_main(tmp_path, capsys):

@@ -1,0 +1,203 @@
+"""The pretraining command line: typed config sections, Megatron's flag names, validated once.
+
+``parse_args`` turns argv into ``Args`` (one dataclass per concern); ``validate`` checks every
+cross-section rule in a fixed order and derives the batch arithmetic, before any process group exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+from .cli import build_parser, dataclass_from_args, option
+from .model.config import ModelConfig, ModelConfigError
+from .topology import ParallelConfigError, ParallelDims
+
+
+class ConfigError(ValueError):
+    """Bad flags; the message names the flag(s) and the fix."""
+
+
+@dataclass
+class ParallelConfig:
+    """Parallelism: TP inside a node, PP across stages, DP (DeepSpeed ZeRO) over the rest."""
+
+    tensor_model_parallel_size: int = option(1, "TP size: ranks that split every layer (contiguous ranks, "
+                                             "keep inside a node)")
+    pipeline_model_parallel_size: int = option(1, "PP size: pipeline stages")
+    distributed_backend: str = option("auto", "torch.distributed backend; auto = nccl on GPU, gloo on CPU",
+                                      choices=("auto", "nccl", "gloo"))
+    gpus_per_node: int | None = option(None, "devices per node, to warn when a TP group spans nodes "
+                                       "(default: the launcher's LOCAL_WORLD_SIZE)")
+
+
+@dataclass
+class TrainConfig:
+    """Training: batch arithmetic, iterations, precision, checkpoints, evaluation."""
+
+    micro_batch_size: int = option(4, "sequences per micro-batch per data-parallel rank")
+    global_batch_size: int | None = option(None, "sequences per optimizer step over all ranks "
+                                           "(default: micro batch x DP)")
+    num_microbatches: int | None = option(None, "micro-batches per step per DP rank; optional, must equal "
+                                          "global / (micro x DP)")
+    seq_length: int = option(512, "tokens per training sequence")
+    train_iters: int = option(100, "optimizer steps to train")
+    seed: int = option(1234, "random seed (initialisation, data order, dropout)")
+    fp16: bool = option(False, "fp16 mixed precision with dynamic loss scaling (GPU)")
+    bf16: bool = option(False, "bf16 mixed precision")
+    checkpoint_activations: bool = option(False, "recompute each layer's activations in backward")
+    save: str | None = option(None, "directory to save checkpoints to")
+    load: str | None = option(None, "directory to resume from (its 'latest' checkpoint)")
+    save_interval: int | None = option(None, "save every N iterations (and always at the end when --save)")
+    eval_interval: int = option(1000, "evaluate on the validation split every N iterations")
+    eval_iters: int = option(10, "validation batches per evaluation")
+    deepspeed_config: str | None = option(None, "a DeepSpeed JSON to start from; the flags fill in and must "
+                                          "agree with batch sizes, clipping, precision and ZeRO stage")
+    zero_stage: int = option(2, "DeepSpeed ZeRO stage", choices=(0, 1, 2))
+    exit_interval: int | None = option(None, "stop after this many iterations of this run (for tests)")
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer and learning-rate schedule."""
+
+    optimizer: str = option("adam", "adam = AdamW (decoupled weight decay), or sgd", choices=("adam", "sgd"))
+    lr: float = option(3e-4, "peak learning rate", flags=("--lr", "--learning-rate"))
+    min_lr: float = option(0.0, "learning rate at the end of the decay")
+    lr_decay_style: str = option("cosine", "decay after warm-up", choices=("constant", "linear", "cosine"))
+    lr_decay_iters: int | None = option(None, "iterations of warm-up plus decay (default: --train-iters)")
+    lr_warmup_iters: int = option(0, "linear warm-up iterations")
+    lr_warmup_fraction: float | None = option(None, "warm-up as a fraction of --lr-decay-iters "
+                                              "(instead of --lr-warmup-iters)")
+    weight_decay: float = option(0.01, "AdamW weight decay (not applied to biases and norms)")
+    clip_grad: float = option(1.0, "clip the global gradient norm to this (0 disables)")
+    adam_beta1: float = option(0.9, "Adam beta1")
+    adam_beta2: float = option(0.999, "Adam beta2")
+    adam_eps: float = option(1e-8, "Adam epsilon")
+    sgd_momentum: float = option(0.9, "SGD momentum")
+
+
+@dataclass
+class DataConfig:
+    """Data: indexed datasets, splits, tokenizer."""
+
+    data_path: list[str] | None = option(None, "PREFIX of a .bin/.idx pair, or a blend 'W1 PREFIX1 W2 PREFIX2'")
+    train_data_path: list[str] | None = option(None, "separate training data (instead of --split)")
+    valid_data_path: list[str] | None = option(None, "separate validation data")
+    test_data_path: list[str] | None = option(None, "separate test data")
+    split: str = option("969,30,1", "train,valid,test proportions of the documents of --data-path")
+    tokenizer_type: str | None = option(None, "HFTokenizer, GPT2BPETokenizer or SentencePieceTokenizer "
+                                        "(default: the shipped tokenizer trained on the Python stdlib)")
+    tokenizer_model: str | None = option(None, "tokenizer.json (HFTokenizer) or .model (SentencePiece)")
+    vocab_file: str | None = option(None, "GPT-2 vocab.json")
+    merge_file: str | None = option(None, "GPT-2 merges.txt")
+    whitespace_encoding: bool = option(False, "CodeGeeX's whitespace tokens for runs of spaces")
+    num_workers: int = option(2, "DataLoader worker processes")
+
+
+@dataclass
+class LoggingConfig:
+    """Logging: console, a JSON-lines metrics file and wandb."""
+
+    log_interval: int = option(10, "log one line every N iterations")
+    metrics_file: str | None = option(None, "JSON-lines metrics (default: <save>/metrics.jsonl)")
+    wandb_project: str | None = option(None, "log to this wandb project (offline when no key or network)")
+    wandb_name: str | None = option(None, "wandb run name")
+    wandb_dir: str | None = option(None, "where wandb writes its files (default: <save> or the cwd)")
+    progress_bar: bool = option(True, "show a progress bar on the logging rank")
+    peak_tflops: float | None = option(None, "the device's peak dense TFLOP/s at the training precision, to "
+                                       "report MFU (e.g. 989 for an H100 SXM in bf16)")
+
+
+SECTIONS = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "train": TrainConfig,
+    "optim": OptimConfig,
+    "data": DataConfig,
+    "logging": LoggingConfig,
+}
+
+
+@dataclass
+class Args:
+    model: ModelConfig
+    parallel: ParallelConfig
+    train: TrainConfig
+    optim: OptimConfig
+    data: DataConfig
+    logging: LoggingConfig
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Derived once: how a global batch maps onto ranks and micro-batches."""
+
+    dims: ParallelDims
+    micro_batch_size: int
+    num_microbatches: int
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.num_microbatches * self.dims.dp_size
+
+
+def parser() -> argparse.ArgumentParser:
+    p = build_parser(SECTIONS, (__doc__ or "").strip())
+    # The deepspeed launcher appends --local_rank=N; torchrun sets LOCAL_RANK instead.
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> Args:
+    ns = parser().parse_args(argv)
+    return Args(**{name: dataclass_from_args(cls, ns) for name, cls in SECTIONS.items()})
+
+
+def validate(args: Args, world_size: int) -> BatchPlan:
+    """Every rule that spans sections, in order; raises ConfigError naming the flags."""
+    t, o, d = args.train, args.optim, args.data
+    try:
+        dims = ParallelDims(world_size, args.parallel.tensor_model_parallel_size,
+                            args.parallel.pipeline_model_parallel_size)
+    except ParallelConfigError as e:
+        raise ConfigError(str(e)) from None
+    if t.micro_batch_size < 1 or t.train_iters < 1 or t.seq_length < 1:
+        raise ConfigError("--micro-batch-size, --train-iters and --seq-length must be >= 1")
+    per_step = t.micro_batch_size * dims.dp_size
+    global_batch = t.global_batch_size or per_step * (t.num_microbatches or 1)
+    if global_batch % per_step:
+        raise ConfigError(
+            f"--global-batch-size {global_batch} is not divisible by --micro-batch-size {t.micro_batch_size} x "
+            f"data-parallel size {dims.dp_size} = {per_step}: use a multiple of {per_step}")
+    num_microbatches = global_batch // per_step
+    if t.num_microbatches is not None and t.num_microbatches != num_microbatches:
+        raise ConfigError(
+            f"--num-microbatches {t.num_microbatches} disagrees with --global-batch-size {global_batch} / "
+            f"(--micro-batch-size {t.micro_batch_size} x DP {dims.dp_size}) = {num_microbatches}")
+    if args.model.num_layers % dims.pp_size:
+        raise ConfigError(f"--num-layers {args.model.num_layers} is not divisible by "
+                          f"--pipeline-model-parallel-size {dims.pp_size}")
+    if t.fp16 and t.bf16:
+        raise ConfigError("--fp16 and --bf16 are exclusive: choose one")
+    try:
+        args.model.check_sequence_length(t.seq_length)
+        if args.model.vocab_size:
+            args.model.validate(dims.tp_size)
+        elif args.model.num_attention_heads % dims.tp_size:  # the rest waits for the tokenizer's vocab
+            raise ModelConfigError(f"--num-attention-heads {args.model.num_attention_heads} is not divisible by "
+                                   f"--tensor-model-parallel-size {dims.tp_size}")
+    except ModelConfigError as e:
+        raise ConfigError(str(e)) from None
+    if not (d.data_path or d.train_data_path):
+        raise ConfigError("no data: pass --data-path PREFIX (from tools/preprocess_data.py) or --train-data-path")
+    if d.data_path and d.train_data_path:
+        raise ConfigError("--data-path and --train-data-path are exclusive: use --split with the first")
+    if o.lr_warmup_fraction is not None and o.lr_warmup_iters:
+        raise ConfigError("--lr-warmup-iters and --lr-warmup-fraction are exclusive")
+    if o.min_lr > o.lr:
+        raise ConfigError(f"--min-lr {o.min_lr} is above --lr {o.lr}")
+    if t.load is not None and not os.path.isdir(t.load):
+        raise ConfigError(f"--load {t.load}: no such directory")
+    return BatchPlan(dims, t.micro_batch_size, num_microbatches)

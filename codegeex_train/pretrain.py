@@ -1,0 +1,145 @@
+"""Pretrain a CodeGeeX model: Megatron tensor parallelism inside nodes, DeepSpeed ZeRO-2 data parallelism.
+
+    # one node, 8 GPUs, TP 8 (CodeGeeX's layout), bf16:
+    deepspeed --num_gpus 8 codegeex_train/pretrain.py --tensor-model-parallel-size 8 --bf16 \
+        --data-path data/code_text_document --micro-batch-size 4 --global-batch-size 1536 ...
+    # a cluster (pdsh + passwordless ssh; list non-PYTHON* variables in .deepspeed_env):
+    deepspeed --hostfile hostfile codegeex_train/pretrain.py ...
+    # the same under torchrun, or as a module:
+    torchrun --nproc_per_node 2 -m codegeex_train.pretrain ...
+    deepspeed --num_gpus 2 --module codegeex_train.pretrain ...
+    # CPU (DS_ACCELERATOR=cpu, gloo), as scripts/pretrain_codegen.sh does by default:
+    DS_ACCELERATOR=cpu deepspeed --num_gpus 2 codegeex_train/pretrain.py --data-path ...
+
+Every flag is checked before any process group exists; a bad one exits with one ``error:`` line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from codegeex_train.arguments import Args, BatchPlan, ConfigError, parse_args, validate
+from codegeex_train.ds_config import build_deepspeed_config, load_user_config
+from codegeex_train.model.checkpoint import load_model_checkpoint
+from codegeex_train.model.codegeex import CodeGeeXModel
+from codegeex_train.model.flops import model_flops_per_iteration
+from codegeex_train.model.summary import model_summary
+from codegeex_train.optim import LRSchedule, build_optimizer
+from codegeex_train.tensor_parallel import model_parallel_seed
+from codegeex_train.topology import DeepSpeedMPU, Topology, warn_if_tp_spans_nodes
+from codegeex_train.training.checkpointing import TrainState, has_optimizer_states, load_checkpoint, preflight_load
+from codegeex_train.training.data import build_datasets, load_tokenizer, loader, num_samples, preflight_data
+from codegeex_train.training.metrics import MetricsLogger
+from codegeex_train.training.trainer import Run, train
+
+
+def prepare(argv: list[str] | None) -> tuple[Args, BatchPlan, dict, dict | None]:
+    """Parse and check everything that can be checked without a process group."""
+    args = parse_args(argv)
+    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    plan = validate(args, world_size)
+    tokenizer = load_tokenizer(args.data)
+    args.model.vocab_size = tokenizer.vocab_size
+    try:
+        args.model.validate(plan.dims.tp_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    preflight_data(args.data, args.model.padded_vocab_size)
+    ds_config = build_deepspeed_config(args, plan, load_user_config(args.train.deepspeed_config))
+    resume = preflight_load(args.train.load, args.model, plan.dims) if args.train.load else None
+    if args.train.bf16 and args.train.fp16:
+        raise ConfigError("--bf16 and --fp16 are exclusive")
+    return args, plan, ds_config, resume
+
+
+def init_distributed(args: Args, plan: BatchPlan) -> tuple[Topology, torch.device]:
+    """Join (or create) the default process group; then build the topology's groups."""
+    import deepspeed
+
+    use_cuda = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
+    backend = args.parallel.distributed_backend
+    if backend == "auto":
+        backend = "nccl" if use_cuda else "gloo"
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        os.environ.setdefault("RANK", "0")  # a plain `python -m codegeex_train.pretrain` is a world of one
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timedelta(minutes=30))
+    gpus_per_node = args.parallel.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", plan.dims.world_size))
+    warn_if_tp_spans_nodes(plan.dims, gpus_per_node)
+    return Topology(plan.dims), device
+
+
+def main(argv: list[str] | None = None) -> TrainState:
+    try:
+        args, plan, ds_config, resume = prepare(argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    owns_process_group = not dist.is_initialized()
+    import deepspeed
+
+    topology, device = init_distributed(args, plan)
+    t = args.train
+    # Same default stream on every TP rank (replicated dropout), a per-TP-rank stream for sharded dropout;
+    # stages differ (Megatron's +100 per stage) so they do not repeat each other's masks.
+    tracker = model_parallel_seed(t.seed + 100 * topology.pp_rank, topology.tp_rank, device)
+    model = CodeGeeXModel(args.model, topology.tp_group, tracker, seed=t.seed, pre_process=topology.is_first_stage,
+                          post_process=topology.is_last_stage, checkpoint_activations=t.checkpoint_activations,
+                          device=device)
+    if topology.rank == 0:
+        print(model_summary(model, args.model, topology.tp_size, topology.pp_size), flush=True)
+    if resume and not has_optimizer_states(t.load, resume["tag"]):
+        load_model_checkpoint(t.load, model, pp_size=topology.pp_size, pp_rank=topology.pp_rank)
+        resume = None  # weights only (e.g. converted from Hugging Face): training state starts afresh
+
+    optimizer = build_optimizer(model, args.optim)
+    schedule = LRSchedule(optimizer, args.optim, t.train_iters)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
+                                           mpu=DeepSpeedMPU(topology), config=ds_config, dist_init_required=False)
+    state = load_checkpoint(engine, t.load, resume["tag"], tracker) if resume else TrainState()
+
+    if state.iteration >= t.train_iters:
+        print(f"--load {t.load} is at iteration {state.iteration} of --train-iters {t.train_iters}: nothing to "
+              f"train; raise --train-iters to continue", flush=True)
+        return state  # (the process group goes with the process)
+    train_ds, valid_ds, test_ds = build_datasets(args.data, t, plan, topology.rank)
+    sizes = num_samples(t, plan)
+    train_loader = loader(train_ds, state.consumed_train_samples, plan, topology.dp_rank, args.data.num_workers,
+                          sizes[0])
+    valid_loader = valid_ds and loader(valid_ds, 0, plan, topology.dp_rank, 0, sizes[1])
+    test_loader = test_ds and loader(test_ds, 0, plan, topology.dp_rank, 0, sizes[2])
+
+    logging_rank = topology.is_last_stage and topology.tp_rank == 0 and topology.dp_rank == 0
+    run_config = {name: dataclasses.asdict(getattr(args, name)) for name in ("model", "parallel", "train", "optim",
+                                                                              "data")}
+    logger = MetricsLogger(args.logging, enabled=logging_rank, save_dir=t.save, run_config=run_config,
+                           train_iters=t.train_iters, start_iteration=state.iteration,
+                           resume_wandb_id=state.wandb_run_id)
+    flops = model_flops_per_iteration(args.model, plan.global_batch_size, t.seq_length, t.checkpoint_activations)
+    peak = args.logging.peak_tflops * 1e12 if args.logging.peak_tflops else None
+    run = Run(args, plan, topology, engine, tracker, device, logger, flops, peak)
+    try:
+        state = train(run, state, train_loader, valid_loader, test_loader)
+    finally:
+        logger.close()
+    if owns_process_group:
+        dist.barrier()
+        dist.destroy_process_group()
+    return state
+
+
+if __name__ == "__main__":
+    main()

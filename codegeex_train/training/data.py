@@ -1,0 +1,106 @@
+"""Training data: tokenizer, a preflight check of the indexed datasets, and per-rank loaders."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from ..arguments import BatchPlan, ConfigError, DataConfig, TrainConfig
+from ..data.gpt_dataset import build_datasets_from_paths, build_train_valid_test_datasets, parse_data_prefix
+from ..data.indexed_dataset import IndexedDatasetError, MMapIndexedDataset
+from ..data.sampler import build_pretraining_data_loader
+from ..data.tokenizer import Tokenizer, build_tokenizer, default_tokenizer
+
+# Token ids checked against the vocabulary at start-up: enough to catch data made with another
+# tokenizer, cheap enough (a memmap max) to never matter.
+_TOKENS_CHECKED = 1 << 24
+
+
+def load_tokenizer(cfg: DataConfig) -> Tokenizer:
+    if cfg.tokenizer_type is None:
+        if cfg.tokenizer_model or cfg.vocab_file or cfg.merge_file:
+            raise ConfigError("--tokenizer-model/--vocab-file/--merge-file given without --tokenizer-type")
+        return default_tokenizer()
+    try:
+        return build_tokenizer(cfg.tokenizer_type, cfg.tokenizer_model, cfg.vocab_file, cfg.merge_file,
+                               cfg.whitespace_encoding)
+    except (ValueError, OSError) as e:
+        raise ConfigError(str(e)) from None
+
+
+def _prefixes(cfg: DataConfig) -> list[tuple[str, str]]:
+    """(flag, prefix) for every dataset the run would read."""
+    out = []
+    for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        value = getattr(cfg, flag)
+        if value:
+            try:
+                out += [("--" + flag.replace("_", "-"), p) for _, p in parse_data_prefix(value)]
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+    return out
+
+
+def preflight_data(cfg: DataConfig, padded_vocab_size: int) -> None:
+    """Fail fast, before any process group: missing or foreign files, empty data, ids beyond the vocab."""
+    for flag, prefix in _prefixes(cfg):
+        try:
+            ds = MMapIndexedDataset(prefix)
+        except (FileNotFoundError, IndexedDatasetError) as e:
+            raise ConfigError(f"{flag}: {e}") from None
+        if len(ds) == 0 or ds.num_tokens == 0:
+            raise ConfigError(f"{flag} {prefix}: the dataset holds no documents (empty corpus?); "
+                              f"re-run tools/preprocess_data.py on a non-empty --input")
+        top = int(ds.head_tokens(_TOKENS_CHECKED).max())
+        if top >= padded_vocab_size:
+            raise ConfigError(
+                f"{flag} {prefix}: token id {top} is beyond the model's vocabulary ({padded_vocab_size} "
+                f"padded ids from the tokenizer): the data was made with another tokenizer; pass the same "
+                f"--tokenizer-type/--tokenizer-model that tools/preprocess_data.py used")
+
+
+def num_samples(train: TrainConfig, plan: BatchPlan) -> tuple[int, int, int]:
+    """Samples each split must provide: every training step, and eval_iters global batches for eval/test."""
+    eval_samples = train.eval_iters * plan.global_batch_size
+    return train.train_iters * plan.global_batch_size, eval_samples, eval_samples
+
+
+def build_datasets(cfg: DataConfig, train: TrainConfig, plan: BatchPlan, rank: int):
+    """Rank 0 builds (and caches) the sample indices first; the others then read them from the cache."""
+    def build():
+        sizes = num_samples(train, plan)
+        if cfg.data_path:
+            return build_train_valid_test_datasets(cfg.data_path, cfg.split, train.seq_length, train.seed, sizes)
+        return build_datasets_from_paths(cfg.train_data_path, cfg.valid_data_path, cfg.test_data_path,
+                                         train.seq_length, train.seed, sizes)
+
+    ready = dist.is_initialized()
+    if ready and rank != 0:
+        dist.barrier()
+    datasets = build()
+    if ready and rank == 0:
+        dist.barrier()
+    return datasets
+
+
+def loader(dataset, consumed_samples: int, plan: BatchPlan, dp_rank: int, num_workers: int, total_samples: int):
+    """This DP rank's micro-batches from ``consumed_samples`` on; every TP/PP rank of it reads the same ones."""
+    return build_pretraining_data_loader(dataset, consumed_samples, plan.micro_batch_size, dp_rank,
+                                         plan.dims.dp_size, num_workers=num_workers, total_samples=total_samples)
+
+
+def get_batch(batch: dict, device: torch.device) -> dict[str, torch.Tensor]:
+    """Inputs, shifted labels, positions and the loss mask of one packed micro-batch."""
+    text = batch["text"].to(device, non_blocking=True)  # (b, s + 1)
+    tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
+    position_ids = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
+    return {"input_ids": tokens, "labels": labels, "position_ids": position_ids,
+            "loss_mask": torch.ones_like(labels, dtype=torch.float32)}
+
+
+def cycle(data_loader) -> Iterator[dict]:
+    """Restart a finite loader (eval) from its beginning; training never needs it (sized exactly)."""
+    while True:
+        yield from data_loader

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# Pretrain a CodeGeeX model with codegeex_train.
+#
+#   bash scripts/pretrain_codegen.sh                      # small CodeGeeX, stdlib corpus, CPU, 2 ranks, ~6 min
+#   DEVICE=gpu NUM_GPUS=8 TP=8 bash scripts/pretrain_codegen.sh
+#   CONFIG=codegeex-13b DEVICE=gpu HOSTFILE=hostfile TP=8 DATA_PATH=data/code_text_document \
+#       TOKENIZER_ARGS="--tokenizer-type HFTokenizer --tokenizer-model tokenizer.json" \
+#       GLOBAL_BATCH=1536 bash scripts/pretrain_codegen.sh --wandb-project codegeex
+#
+# Variables: OUTPUT_DIR (checkpoints, metrics.jsonl, logs; default ./outputs/codegen-default), CONFIG
+# (default | codegeex-13b), DEVICE (cpu | gpu; default gpu when nvidia-smi sees one), NUM_GPUS (ranks per
+# node), HOSTFILE (several nodes, via pdsh/ssh), TP, PP, MICRO_BATCH, GLOBAL_BATCH, TRAIN_ITERS, SEQ_LENGTH,
+# DATA_PATH (default: the Python stdlib, preprocessed on first use), TOKENIZER_ARGS, DS_CONFIG, LR.
+# Any further arguments go to codegeex_train/pretrain.py and override the ones set here.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+OUTPUT_DIR=${OUTPUT_DIR:-./outputs/codegen-default}
+CONFIG=${CONFIG:-default}
+if [ -z "${DEVICE:-}" ]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then DEVICE=gpu; else DEVICE=cpu; fi
+fi
+TP=${TP:-1}
+PP=${PP:-1}
+PYTHON=${PYTHON:-python}
+mkdir -p "$OUTPUT_DIR/logs"
+
+case "$CONFIG" in
+  default)  # small enough to learn visibly on 2 CPU cores in minutes
+    MODEL_ARGS="--num-layers 4 --hidden-size 256 --num-attention-heads 8 --max-position-embeddings 256
+                --hidden-dropout 0.0 --attention-dropout 0.0 --activation fast_gelu"
+    SEQ_LENGTH=${SEQ_LENGTH:-256}; MICRO_BATCH=${MICRO_BATCH:-8}; GLOBAL_BATCH=${GLOBAL_BATCH:-16}
+    TRAIN_ITERS=${TRAIN_ITERS:-300}; LR=${LR:-2e-3}; WARMUP=${WARMUP:-20}; EVAL_INTERVAL=100; SAVE_INTERVAL=100 ;;
+  codegeex-13b)  # CodeGeeX-13B's shape: 39 layers + the top query layer, 40 heads of 128
+    MODEL_ARGS="--num-layers 39 --hidden-size 5120 --num-attention-heads 40 --ffn-hidden-size 20480
+                --max-position-embeddings 2048 --activation fast_gelu --checkpoint-activations"
+    SEQ_LENGTH=${SEQ_LENGTH:-2048}; MICRO_BATCH=${MICRO_BATCH:-8}; GLOBAL_BATCH=${GLOBAL_BATCH:-1536}
+    TRAIN_ITERS=${TRAIN_ITERS:-200000}; LR=${LR:-1e-4}; WARMUP=${WARMUP:-1500}; EVAL_INTERVAL=1000
+    SAVE_INTERVAL=1000 ;;
+  *) echo "error: CONFIG=$CONFIG: use default or codegeex-13b" >&2; exit 2 ;;
+esac
+
+if [ "$DEVICE" = gpu ]; then
+  NUM_GPUS=${NUM_GPUS:-$(nvidia-smi -L | wc -l)}
+  DS_CONFIG=${DS_CONFIG:-$ROOT/ds_configs/gpu_bf16_zero2.json}
+  PRECISION_ARGS="--bf16 --distributed-backend nccl"
+  [[ "$DS_CONFIG" == *fp16* ]] && PRECISION_ARGS="--fp16 --distributed-backend nccl"
+else
+  NUM_GPUS=${NUM_GPUS:-2}
+  DS_CONFIG=${DS_CONFIG:-$ROOT/ds_configs/cpu_fp32_zero2.json}
+  PRECISION_ARGS="--distributed-backend gloo"
+  export DS_ACCELERATOR=cpu OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+  # DeepSpeed JIT-builds a CPU comm op once; keep it with the checkout.
+  export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$ROOT/.cache/torch_extensions}
+fi
+
+if [ -z "${DATA_PATH:-}" ]; then
+  # The embedded default corpus: the Python standard library's source, shipped tokenizer.
+  DATA_PATH=$ROOT/.cache/data/stdlib_text_document
+  if [ ! -f "$DATA_PATH.idx" ]; then
+    "$PYTHON" "$ROOT/tools/preprocess_data.py" --input default --output-prefix "$ROOT/.cache/data/stdlib" \
+      --whitespace-encoding --append-eod --workers 2
+  fi
+fi
+
+if [ -n "${HOSTFILE:-}" ]; then
+  LAUNCHER=(deepspeed --hostfile "$HOSTFILE")
+  # pdsh forwards only PYTHON*/UCX*/... variables; the rest must be listed in .deepspeed_env.
+  env | grep -E '^(DS_ACCELERATOR|TORCH_EXTENSIONS_DIR|OMP_NUM_THREADS|WANDB_[A-Z_]*|HF_[A-Z_]*|NCCL_[A-Z_]*)=' \
+    > "$ROOT/.deepspeed_env" || true
+else
+  LAUNCHER=(deepspeed --num_gpus "$NUM_GPUS")
+fi
+command -v deepspeed >/dev/null 2>&1 || LAUNCHER=("$PYTHON" -m deepspeed.launcher.runner "${LAUNCHER[@]:1}")
+
+# Resume automatically from this output directory's last complete checkpoint.
+RESUME_ARGS=()
+[ -f "$OUTPUT_DIR/latest" ] && RESUME_ARGS=(--load "$OUTPUT_DIR")
+
+LOG="$OUTPUT_DIR/logs/train-$(date +%Y%m%d-%H%M%S).log"
+echo "codegeex_train: CONFIG=$CONFIG DEVICE=$DEVICE ranks/node=$NUM_GPUS TP=$TP PP=$PP -> $OUTPUT_DIR (log $LOG)"
+# shellcheck disable=SC2086  # MODEL_ARGS and PRECISION_ARGS are word lists
+"${LAUNCHER[@]}" "$ROOT/codegeex_train/pretrain.py" \
+  $MODEL_ARGS $PRECISION_ARGS \
+  --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" \
+  --seq-length "$SEQ_LENGTH" --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH" \
+  --train-iters "$TRAIN_ITERS" --lr "$LR" --min-lr "$(python3 -c "print($LR / 10)")" --lr-decay-style cosine \
+  --lr-warmup-iters "$WARMUP" --weight-decay 0.1 --clip-grad 1.0 --adam-beta2 0.95 \
+  --data-path "$DATA_PATH" --split 969,30,1 ${TOKENIZER_ARGS:-} \
+  --deepspeed-config "$DS_CONFIG" --zero-stage 2 \
+  --save "$OUTPUT_DIR" --save-interval "$SAVE_INTERVAL" --eval-interval "$EVAL_INTERVAL" --eval-iters 4 \
+  --log-interval 10 --num-workers 1 "${RESUME_ARGS[@]}" \
+  "$@" 2>&1 | tee "$LOG"
