@@ -114,3 +114,25 @@ def test_checkpoint_activations_same_losses(tmp_path, tiny_data):
     for it in range(1, 5):
         assert recompute[it]["loss"] == pytest.approx(plain[it]["loss"], rel=1e-6)
         assert recompute[it]["grad_norm"] == pytest.approx(plain[it]["grad_norm"], rel=1e-6)
+
+
+def test_wandb_offline_run_matches_metrics_file(tmp_path, tiny_data, monkeypatch):
+    from codegeex_train.training.metrics import read_offline_wandb_history
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    wandb_dir = tmp_path / "wb"
+    wandb = ["--wandb-project", "codegeex-test", "--wandb-name", "tiny", "--wandb-dir", str(wandb_dir)]
+    save = train(tmp_path, tiny_data, "wandb", 1, 1, *wandb, iters=2)
+    logged = records(save)
+    runs = sorted((wandb_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    history = {row["_step"]: row for row in read_offline_wandb_history(runs[0])}
+    for it in (1, 2):
+        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "consumed_samples"):
+            assert history[it][f"train/{key}"] == pytest.approx(logged[it][key], rel=1e-12), (it, key)
+    assert history[2]["test/loss"] == pytest.approx(records(save, "test")[2]["test_loss"], rel=1e-12)
+
+    # A resumed run continues the same wandb run: the id travels in the checkpoint.
+    train(tmp_path, tiny_data, "wandb", 1, 1, *wandb, "--load", save, iters=3)
+    resumed = sorted((wandb_dir / "wandb").glob("offline-run-*"))
+    assert len(resumed) == 2 and len({r.name.split("-")[3] for r in resumed}) == 1, resumed
