@@ -30,13 +30,14 @@ case "$CONFIG" in
     MODEL_ARGS="--num-layers 4 --hidden-size 256 --num-attention-heads 8 --max-position-embeddings 256
                 --hidden-dropout 0.0 --attention-dropout 0.0 --activation fast_gelu"
     SEQ_LENGTH=${SEQ_LENGTH:-256}; MICRO_BATCH=${MICRO_BATCH:-8}; GLOBAL_BATCH=${GLOBAL_BATCH:-16}
-    TRAIN_ITERS=${TRAIN_ITERS:-300}; LR=${LR:-2e-3}; WARMUP=${WARMUP:-20}; EVAL_INTERVAL=100; SAVE_INTERVAL=100 ;;
+    TRAIN_ITERS=${TRAIN_ITERS:-300}; LR=${LR:-2e-3}; WARMUP=${WARMUP:-20}; EVAL_INTERVAL=100; SAVE_INTERVAL=100
+    LOG_INTERVAL=5 ;;
   codegeex-13b)  # CodeGeeX-13B's shape: 39 layers + the top query layer, 40 heads of 128
     MODEL_ARGS="--num-layers 39 --hidden-size 5120 --num-attention-heads 40 --ffn-hidden-size 20480
                 --max-position-embeddings 2048 --activation fast_gelu --checkpoint-activations"
     SEQ_LENGTH=${SEQ_LENGTH:-2048}; MICRO_BATCH=${MICRO_BATCH:-8}; GLOBAL_BATCH=${GLOBAL_BATCH:-1536}
     TRAIN_ITERS=${TRAIN_ITERS:-200000}; LR=${LR:-1e-4}; WARMUP=${WARMUP:-1500}; EVAL_INTERVAL=1000
-    SAVE_INTERVAL=1000 ;;
+    SAVE_INTERVAL=1000; LOG_INTERVAL=10 ;;
   *) echo "error: CONFIG=$CONFIG: use default or codegeex-13b" >&2; exit 2 ;;
 esac
 
@@ -89,5 +90,5 @@ echo "codegeex_train: CONFIG=$CONFIG DEVICE=$DEVICE ranks/node=$NUM_GPUS TP=$TP 
   --data-path "$DATA_PATH" --split 969,30,1 ${TOKENIZER_ARGS:-} \
   --deepspeed-config "$DS_CONFIG" --zero-stage 2 \
   --save "$OUTPUT_DIR" --save-interval "$SAVE_INTERVAL" --eval-interval "$EVAL_INTERVAL" --eval-iters 4 \
-  --log-interval 10 --num-workers 1 "${RESUME_ARGS[@]}" \
+  --log-interval "$LOG_INTERVAL" --num-workers 1 "${RESUME_ARGS[@]}" \
   "$@" 2>&1 | tee "$LOG"
