@@ -110,7 +110,8 @@ def train(run: Run, state: TrainState, train_loader, valid_loader=None, test_loa
         last = state.iteration == t.train_iters or (
             t.exit_interval is not None and state.iteration - start_iteration >= t.exit_interval)
 
-        if state.iteration % log_interval == 0 or last:
+        # A run's first iteration is always logged: its loss is the sanity check of a (re)start.
+        if state.iteration % log_interval == 0 or last or state.iteration == start_iteration + 1:
             if run.device.type == "cuda":
                 torch.cuda.synchronize(run.device)  # honest timing: wait for queued kernels
             step_seconds += time.perf_counter() - step_start
