@@ -73,9 +73,9 @@ def _shape_fields(config: ModelConfig) -> dict:
     return {k: getattr(config, k) for k in SHAPE_FIELDS}
 
 
-def _load(path: Path) -> dict:
+def _load(path: Path, mmap: bool = False) -> dict:
     # weights_only=False: files DeepSpeed writes also hold its own (trusted, local) non-tensor objects.
-    return torch.load(path, map_location="cpu", weights_only=False)
+    return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
 
 
 def read_checkpoint_meta(directory: str | os.PathLike) -> tuple[str, dict]:
@@ -84,7 +84,7 @@ def read_checkpoint_meta(directory: str | os.PathLike) -> tuple[str, dict]:
     path = shard_file(directory, tag, 0, 1)
     if not path.is_file():
         raise CheckpointError(f"{directory}/latest names tag {tag!r} but {path} does not exist")
-    return tag, _load(path)[META_KEY]
+    return tag, _load(path, mmap=True)[META_KEY]  # mmap: reads the metadata, not every tensor
 
 
 def _check_fits(directory, tag: str, meta: dict, config: ModelConfig, tp_size: int, pp_size: int) -> None:

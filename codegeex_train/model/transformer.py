@@ -26,38 +26,28 @@ def layer_norm(config: ModelConfig, dtype: torch.dtype, device) -> nn.LayerNorm:
 class ParallelTransformerLayer(nn.Module):
     """x + drop(attn(LN(x))) then y + drop(mlp(LN(y)))."""
 
+    attention_class = ParallelSelfAttention
+
     def __init__(self, config: ModelConfig, tp_group: ProcessGroup | None, rng_tracker: RNGStatesTracker | None,
                  init: ParamInit, prefix: str, *, dtype: torch.dtype = torch.float32, device=None):
         super().__init__()
         self.hidden_dropout = config.hidden_dropout
         self.input_layernorm = layer_norm(config, dtype, device)
-        self.attention = ParallelSelfAttention(config, tp_group, rng_tracker, init, prefix + "attention.",
-                                               dtype=dtype, device=device)
+        self.attention = self.attention_class(config, tp_group, rng_tracker, init, prefix + "attention.",
+                                              dtype=dtype, device=device)
         self.post_attention_layernorm = layer_norm(config, dtype, device)
         self.mlp = ParallelMLP(config, tp_group, init, prefix + "mlp.", dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        attn = self.attention(self.input_layernorm(x))  # (b, s, h)
+    def forward(self, x: torch.Tensor, *attention_args: torch.Tensor) -> torch.Tensor:
+        attn = self.attention(self.input_layernorm(x), *attention_args)  # (b, s, h)
         y = x + F.dropout(attn, self.hidden_dropout, self.training)
         return y + F.dropout(self.mlp(self.post_attention_layernorm(y)), self.hidden_dropout, self.training)
 
 
-class TopQueryLayer(nn.Module):
-    """CodeGeeX's last layer. Input H is the final-LayerNorm'd output of the regular stack:
-    y = H + drop(attn(LN_in(H), query_embeds)); out = y + drop(mlp(LN_post(y))). The output feeds the
+class TopQueryLayer(ParallelTransformerLayer):
+    """CodeGeeX's last layer: the same residual structure, but attention queries come from the position
+    (``forward(h, query_embeds)``). Input h is the final-LayerNorm'd output of the regular stack:
+    y = h + drop(attn(LN_in(h), query_embeds)); out = y + drop(mlp(LN_post(y))). The output feeds the
     logits directly, with no further LayerNorm."""
 
-    def __init__(self, config: ModelConfig, tp_group: ProcessGroup | None, rng_tracker: RNGStatesTracker | None,
-                 init: ParamInit, prefix: str, *, dtype: torch.dtype = torch.float32, device=None):
-        super().__init__()
-        self.hidden_dropout = config.hidden_dropout
-        self.input_layernorm = layer_norm(config, dtype, device)
-        self.attention = TopQueryAttention(config, tp_group, rng_tracker, init, prefix + "attention.",
-                                           dtype=dtype, device=device)
-        self.post_attention_layernorm = layer_norm(config, dtype, device)
-        self.mlp = ParallelMLP(config, tp_group, init, prefix + "mlp.", dtype=dtype, device=device)
-
-    def forward(self, h: torch.Tensor, query_embeds: torch.Tensor) -> torch.Tensor:
-        attn = self.attention(self.input_layernorm(h), query_embeds)  # (b, s, h)
-        y = h + F.dropout(attn, self.hidden_dropout, self.training)
-        return y + F.dropout(self.mlp(self.post_attention_layernorm(y)), self.hidden_dropout, self.training)
+    attention_class = TopQueryAttention
