@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 
 from .cli import build_parser, dataclass_from_args, option
 from .model.config import ModelConfig, ModelConfigError
+from .pipeline.stages import PipelineSplitError, stage_layer_ranges
 from .topology import ParallelConfigError, ParallelDims
 
 
@@ -25,7 +27,12 @@ class ParallelConfig:
 
     tensor_model_parallel_size: int = option(1, "TP size: ranks that split every layer (contiguous ranks, "
                                              "keep inside a node)")
-    pipeline_model_parallel_size: int = option(1, "PP size: pipeline stages")
+    pipeline_model_parallel_size: int = option(1, "PP size: pipeline stages (layers split evenly; see the two "
+                                               "flags below for an uneven split)")
+    decoder_first_pipeline_num_layers: int | None = option(None, "layers on the first pipeline stage; the rest "
+                                                           "split evenly over the others")
+    decoder_last_pipeline_num_layers: int | None = option(None, "layers on the last pipeline stage (it also holds "
+                                                          "the final LayerNorm, top query layer and output layer)")
     distributed_backend: str = option("auto", "torch.distributed backend; auto = nccl on GPU, gloo on CPU",
                                       choices=("auto", "nccl", "gloo"))
     gpus_per_node: int | None = option(None, "devices per node, to warn when a TP group spans nodes "
@@ -132,11 +139,12 @@ class Args:
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """Derived once: how a global batch maps onto ranks and micro-batches."""
+    """Derived once: how a global batch maps onto ranks and micro-batches, and layers onto stages."""
 
     dims: ParallelDims
     micro_batch_size: int
     num_microbatches: int
+    stage_layers: tuple[range, ...] = field(default=())  # global layer numbers of each pipeline stage
 
     @property
     def global_batch_size(self) -> int:
@@ -176,9 +184,19 @@ def validate(args: Args, world_size: int) -> BatchPlan:
         raise ConfigError(
             f"--num-microbatches {t.num_microbatches} disagrees with --global-batch-size {global_batch} / "
             f"(--micro-batch-size {t.micro_batch_size} x DP {dims.dp_size}) = {num_microbatches}")
-    if args.model.num_layers % dims.pp_size:
-        raise ConfigError(f"--num-layers {args.model.num_layers} is not divisible by "
-                          f"--pipeline-model-parallel-size {dims.pp_size}")
+    p = args.parallel
+    try:
+        stage_layers = tuple(stage_layer_ranges(args.model.num_layers, dims.pp_size,
+                                                p.decoder_first_pipeline_num_layers,
+                                                p.decoder_last_pipeline_num_layers))
+    except PipelineSplitError as e:
+        raise ConfigError(str(e)) from None
+    if 1 < dims.pp_size and num_microbatches < dims.pp_size:
+        bubble = (dims.pp_size - 1) / (num_microbatches + dims.pp_size - 1)
+        warnings.warn(f"{num_microbatches} micro-batch(es) per step for {dims.pp_size} pipeline stages: the bubble "
+                      f"((p - 1) / (m + p - 1) = {bubble:.0%} of each step idle) dominates; raise "
+                      f"--global-batch-size or lower --micro-batch-size so that m >= p (ideally m >> p)",
+                      stacklevel=2)
     if t.fp16 and t.bf16:
         raise ConfigError("--fp16 and --bf16 are exclusive: choose one")
     try:
@@ -200,4 +218,4 @@ def validate(args: Args, world_size: int) -> BatchPlan:
         raise ConfigError(f"--min-lr {o.min_lr} is above --lr {o.lr}")
     if t.load is not None and not os.path.isdir(t.load):
         raise ConfigError(f"--load {t.load}: no such directory")
-    return BatchPlan(dims, t.micro_batch_size, num_microbatches)
+    return BatchPlan(dims, t.micro_batch_size, num_microbatches, stage_layers)

@@ -31,6 +31,7 @@ from codegeex_train.model.codegeex import CodeGeeXModel
 from codegeex_train.model.flops import model_flops_per_iteration
 from codegeex_train.model.summary import model_summary
 from codegeex_train.optim import LRSchedule, build_optimizer
+from codegeex_train.pipeline import mark_shared_embedding_copy, sync_shared_embedding
 from codegeex_train.tensor_parallel import model_parallel_seed
 from codegeex_train.topology import DeepSpeedMPU, Topology, warn_if_tp_spans_nodes
 from codegeex_train.training.checkpointing import TrainState, has_optimizer_states, load_checkpoint, preflight_load
@@ -44,9 +45,6 @@ def prepare(argv: list[str] | None) -> tuple[Args, BatchPlan, dict, dict | None]
     args = parse_args(argv)
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     plan = validate(args, world_size)
-    if plan.dims.pp_size > 1:
-        raise ConfigError(f"--pipeline-model-parallel-size {plan.dims.pp_size}: the 1F1B pipeline schedule is not "
-                          f"in this release's training loop yet; train with TP x DP (PP = 1)")
     tokenizer = load_tokenizer(args.data)
     args.model.vocab_size = tokenizer.vocab_size
     try:
@@ -98,19 +96,25 @@ def main(argv: list[str] | None = None) -> TrainState:
     # stages differ (Megatron's +100 per stage) so they do not repeat each other's masks.
     tracker = model_parallel_seed(t.seed + 100 * topology.pp_rank, topology.tp_rank, device)
     model = CodeGeeXModel(args.model, topology.tp_group, tracker, seed=t.seed, pre_process=topology.is_first_stage,
-                          post_process=topology.is_last_stage, checkpoint_activations=t.checkpoint_activations,
-                          device=device)
+                          post_process=topology.is_last_stage, layer_numbers=plan.stage_layers[topology.pp_rank],
+                          checkpoint_activations=t.checkpoint_activations, device=device)
+    mark_shared_embedding_copy(model, topology)
     if topology.rank == 0:
         print(model_summary(model, args.model, topology.tp_size, topology.pp_size), flush=True)
     if resume and not has_optimizer_states(t.load, resume["tag"]):
         load_model_checkpoint(t.load, model, pp_size=topology.pp_size, pp_rank=topology.pp_rank)
         resume = None  # weights only (e.g. converted from Hugging Face): training state starts afresh
+    sync_shared_embedding(model, topology)  # the last stage's output layer starts as the first stage's copy
 
     optimizer = build_optimizer(model, args.optim)
     schedule = LRSchedule(optimizer, args.optim, t.train_iters)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
                                            mpu=DeepSpeedMPU(topology), config=ds_config, dist_init_required=False)
-    state = load_checkpoint(engine, t.load, resume["tag"], tracker) if resume else TrainState()
+    if resume:
+        state = load_checkpoint(engine, t.load, resume["tag"], tracker)
+        sync_shared_embedding(engine.module, topology)
+    else:
+        state = TrainState()
 
     if state.iteration >= t.train_iters:
         print(f"--load {t.load} is at iteration {state.iteration} of --train-iters {t.train_iters}: nothing to "

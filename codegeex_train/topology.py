@@ -139,12 +139,13 @@ class Topology:
         self.pp_ranks = _group_containing(self.groups.pp, self.rank)
         self.dp_ranks = _group_containing(self.groups.dp, self.rank)
         self.mp_ranks = _group_containing(self.groups.mp, self.rank)
-        self.embedding_ranks = _group_containing(self.groups.embedding, self.rank)
+        # Middle pipeline stages hold no word embedding: they are in no embedding group.
+        self.embedding_ranks = next((g for g in self.groups.embedding if self.rank in g), [])
         self.tp_group = handles[("tp", tuple(self.tp_ranks))]
         self.pp_group = handles[("pp", tuple(self.pp_ranks))]
         self.dp_group = handles[("dp", tuple(self.dp_ranks))]
         self.mp_group = handles[("mp", tuple(self.mp_ranks))]
-        self.embedding_group = handles[("embedding", tuple(self.embedding_ranks))]
+        self.embedding_group = handles.get(("embedding", tuple(self.embedding_ranks)))
 
     tp_size = property(lambda self: self.dims.tp_size)
     pp_size = property(lambda self: self.dims.pp_size)

@@ -91,12 +91,16 @@ def loader(dataset, consumed_samples: int, plan: BatchPlan, dp_rank: int, num_wo
                                          plan.dims.dp_size, num_workers=num_workers, total_samples=total_samples)
 
 
+def position_ids(batch_size: int, seq_length: int, device: torch.device) -> torch.Tensor:
+    """0 .. s-1 for every sequence (packed samples restart positions at each sample, not each document)."""
+    return torch.arange(seq_length, device=device).unsqueeze(0).expand(batch_size, seq_length)  # (b, s)
+
+
 def get_batch(batch: dict, device: torch.device) -> dict[str, torch.Tensor]:
     """Inputs, shifted labels, positions and the loss mask of one packed micro-batch."""
     text = batch["text"].to(device, non_blocking=True)  # (b, s + 1)
     tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
-    position_ids = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
-    return {"input_ids": tokens, "labels": labels, "position_ids": position_ids,
+    return {"input_ids": tokens, "labels": labels, "position_ids": position_ids(*tokens.shape, device),
             "loss_mask": torch.ones_like(labels, dtype=torch.float32)}
 
 

@@ -1,4 +1,5 @@
-"""The training loop: micro-batches -> (DeepSpeed: clip, step, LR) -> metrics, eval and checkpoints."""
+"""The training loop: the pipeline schedule's micro-batches -> tied-embedding gradient sum -> (DeepSpeed:
+clip, step, LR) -> metrics, eval and checkpoints. PP = 1 runs the same loop with no pipelining."""
 
 from __future__ import annotations
 
@@ -11,11 +12,19 @@ import torch
 import torch.distributed as dist
 
 from ..arguments import Args, BatchPlan
+from ..pipeline import (
+    P2PCommunicator,
+    allreduce_shared_embedding_grads,
+    communication_plan,
+    forward_only,
+    one_f_one_b,
+    run_schedule,
+)
 from ..tensor_parallel import RNGStatesTracker
 from ..topology import Topology
 from .checkpointing import TrainState, save_checkpoint
-from .data import get_batch
 from .metrics import memory_gb, throughput_record
+from .stage import EngineStage
 
 
 @dataclass
@@ -31,23 +40,40 @@ class Run:
     logger: object  # MetricsLogger
     flops_per_iteration: float
     peak_flops_per_device: float | None = None  # for MFU; None on CPU
+    p2p: P2PCommunicator | None = None  # None: built from the topology and the activation shape
+
+    def __post_init__(self) -> None:
+        if self.p2p is None:
+            t = self.args.train
+            shape = (self.plan.micro_batch_size, t.seq_length, self.args.model.hidden_size)  # (b, s, h)
+            dtype = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
+            self.p2p = P2PCommunicator.for_topology(self.topology, shape, dtype, self.device)
+
+    @property
+    def reads_data(self) -> bool:
+        """The first stage reads input ids, the last labels; middle stages never touch the data."""
+        return self.topology.is_first_stage or self.topology.is_last_stage
+
+    def stage(self, batches: Iterator[dict] | None) -> EngineStage:
+        return EngineStage(self.engine, batches, is_first=self.topology.is_first_stage,
+                           is_last=self.topology.is_last_stage, micro_batch_size=self.plan.micro_batch_size,
+                           seq_length=self.args.train.seq_length, device=self.device,
+                           num_microbatches=self.plan.num_microbatches)
+
+    def plan_ops(self, steps):
+        return communication_plan(steps, self.topology.is_first_stage, self.topology.is_last_stage)
 
 
-def masked_mean(loss_per_token: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    return (loss_per_token * loss_mask).sum() / loss_mask.sum()
-
-
-def train_step(run: Run, batches: Iterator[dict]) -> torch.Tensor:
-    """One optimizer step over ``num_microbatches`` micro-batches; returns this rank's mean loss (on device,
-    no host sync). DeepSpeed scales each backward by 1/accumulation and steps at the last micro-batch."""
-    engine, losses = run.engine, []
-    for _ in range(run.plan.num_microbatches):
-        b = get_batch(next(batches), run.device)
-        loss = masked_mean(engine(b["input_ids"], b["position_ids"], labels=b["labels"]), b["loss_mask"])
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.detach())
-    return torch.stack(losses).mean()
+def train_step(run: Run, batches: Iterator[dict] | None) -> torch.Tensor:
+    """One optimizer step: the 1F1B schedule over ``num_microbatches`` micro-batches (plain accumulation when
+    PP = 1), the tied embedding's gradients summed, then DeepSpeed's step. Returns the last stage's mean loss
+    (on device, no host sync; zero on other stages)."""
+    topo = run.topology
+    stage = run.stage(batches)
+    run_schedule(run.plan_ops(one_f_one_b(topo.pp_size, topo.pp_rank, run.plan.num_microbatches)), stage, run.p2p)
+    allreduce_shared_embedding_grads(run.engine.module, topo)
+    run.engine.step()  # the boundary: clip, optimizer step, LR schedule
+    return stage.mean_loss()
 
 
 def dp_mean(value: torch.Tensor, topology: Topology) -> float:
@@ -63,13 +89,10 @@ def evaluate(run: Run, data_loader) -> float:
     """Mean loss over ``--eval-iters`` global batches, from the start of the split every time, so successive
     evaluations are comparable."""
     run.engine.eval()
-    batches, losses = iter(data_loader), []
-    for _ in range(run.args.train.eval_iters * run.plan.num_microbatches):
-        b = get_batch(next(batches), run.device)
-        losses.append(masked_mean(run.engine(b["input_ids"], b["position_ids"], labels=b["labels"]),
-                                  b["loss_mask"]))
+    stage = run.stage(iter(data_loader) if run.reads_data else None)
+    run_schedule(run.plan_ops(forward_only(run.args.train.eval_iters * run.plan.num_microbatches)), stage, run.p2p)
     run.engine.train()
-    return dp_mean(torch.stack(losses).mean(), run.topology)
+    return dp_mean(stage.mean_loss(), run.topology)
 
 
 def _log_eval(run: Run, state: TrainState, split: str, loss: float) -> None:
@@ -96,7 +119,7 @@ def _train_record(run: Run, state: TrainState, loss: torch.Tensor, seconds_per_i
 
 def train(run: Run, state: TrainState, train_loader, valid_loader=None, test_loader=None) -> TrainState:
     t, log_interval = run.args.train, run.args.logging.log_interval
-    batches = iter(train_loader)
+    batches = iter(train_loader) if run.reads_data else None
     start_iteration = state.iteration
     step_seconds, interval_iters = 0.0, 0  # time in training steps only, not eval or saving
     loss_sum = torch.zeros((), device=run.device)

@@ -1,0 +1,145 @@
+"""Pipeline schedules as pure functions, and the executor that runs one on a stage.
+
+A schedule is this stage's order of forward (F) and backward (B) micro-batch steps:
+
+    1F1B, stage s of p, m micro-batches (Megatron's PipeDream-flush):
+      warm-up    F(0) .. F(w-1)                      w = min(p - s - 1, m) forwards
+      steady     F(w) B(0)  F(w+1) B(1) ...          one forward, one backward, m - w times
+      cool-down  B(m-w) .. B(m-1)                    the backwards still owed
+    no pipelining (p = 1): F(0) B(0) F(1) B(1) ...   plain gradient accumulation (1F1B with w = 0)
+
+``communication_plan`` turns it into the ops the stage runs, pairing a send with the receive that follows
+it (send-forward + receive-backward after a steady forward, send-backward + receive-forward after a steady
+backward), as Megatron does. Stage s then holds at most w + 1 = p - s micro-batches of activations.
+
+The executor's contract with a stage (``PipelineStage``):
+    forward_step(mb, input_tensor) -> output     input_tensor: None on the first stage (it reads its own
+                                                 ids); output: hidden states, or the loss on the last stage
+    backward_step(mb, input_tensor, output, output_grad) -> input_grad
+                                                 output_grad: None on the last stage (the loss starts it);
+                                                 input_grad: None on the first stage
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from .p2p import P2PCommunicator
+
+
+@dataclass(frozen=True)
+class Step:
+    kind: str  # "F" or "B"
+    mb: int
+
+
+def one_f_one_b(pp_size: int, pp_rank: int, num_microbatches: int) -> list[Step]:
+    warmup = min(pp_size - pp_rank - 1, num_microbatches)
+    steps = [Step("F", i) for i in range(warmup)]
+    for k in range(num_microbatches - warmup):
+        steps += [Step("F", warmup + k), Step("B", k)]
+    return steps + [Step("B", k) for k in range(num_microbatches - warmup, num_microbatches)]
+
+
+def no_pipelining(num_microbatches: int) -> list[Step]:
+    return one_f_one_b(1, 0, num_microbatches)
+
+
+def forward_only(num_microbatches: int) -> list[Step]:
+    return [Step("F", i) for i in range(num_microbatches)]
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: str  # forward, backward, recv_forward, send_forward, recv_backward, send_backward,
+    #            send_forward_recv_backward, send_backward_recv_forward
+    mb: int
+    recv_mb: int | None = None  # the micro-batch received by a combined op
+
+
+def communication_plan(steps: list[Step], is_first: bool, is_last: bool) -> list[Op]:
+    """The ops of a stage: each step with the receives it needs before and the sends it owes after."""
+    ops: list[Op] = []
+    received: set[tuple[str, int]] = set()
+    for i, step in enumerate(steps):
+        nxt = steps[i + 1] if i + 1 < len(steps) else None
+        if step.kind == "F":
+            if not is_first and ("F", step.mb) not in received:
+                ops.append(Op("recv_forward", step.mb))
+            ops.append(Op("forward", step.mb))
+            if not is_last:
+                if nxt is not None and nxt.kind == "B":
+                    ops.append(Op("send_forward_recv_backward", step.mb, nxt.mb))
+                    received.add(("B", nxt.mb))
+                else:
+                    ops.append(Op("send_forward", step.mb))
+        else:
+            if not is_last and ("B", step.mb) not in received:
+                ops.append(Op("recv_backward", step.mb))
+            ops.append(Op("backward", step.mb))
+            if not is_first:
+                if nxt is not None and nxt.kind == "F":
+                    ops.append(Op("send_backward_recv_forward", step.mb, nxt.mb))
+                    received.add(("F", nxt.mb))
+                else:
+                    ops.append(Op("send_backward", step.mb))
+    return ops
+
+
+class PipelineStage(Protocol):
+    def forward_step(self, mb: int, input_tensor: torch.Tensor | None) -> torch.Tensor: ...
+
+    def backward_step(self, mb: int, input_tensor: torch.Tensor | None, output: torch.Tensor,
+                      output_grad: torch.Tensor | None) -> torch.Tensor | None: ...
+
+
+@dataclass
+class ScheduleStats:
+    peak_in_flight: int = 0  # most micro-batches whose activations this stage held at once
+    log: list = field(default_factory=list)  # ("forward", mb) / ("backward", mb), in execution order
+
+
+def run_schedule(ops: list[Op], stage: PipelineStage, comm: P2PCommunicator,
+                 stats: ScheduleStats | None = None) -> ScheduleStats:
+    """Execute ``ops``. Activations (input, output) live from a micro-batch's forward to its backward;
+    a forward-only plan (no backward ops) drops them at once."""
+    stats = stats or ScheduleStats()
+    has_backward = any(op.kind == "backward" for op in ops)
+    inputs: dict[int, torch.Tensor | None] = {}
+    outputs: dict[int, torch.Tensor] = {}
+    output_grads: dict[int, torch.Tensor | None] = {}
+    input_grad = None
+    for op in ops:
+        if op.kind == "recv_forward":
+            inputs[op.mb] = comm.recv_forward(op.mb)
+        elif op.kind == "forward":
+            stats.log.append(("forward", op.mb))
+            output = stage.forward_step(op.mb, inputs.get(op.mb))
+            if has_backward:
+                outputs[op.mb] = output
+                stats.peak_in_flight = max(stats.peak_in_flight, len(outputs))
+            else:
+                inputs.pop(op.mb, None)
+        elif op.kind == "send_forward":
+            comm.send_forward(output, op.mb)
+        elif op.kind == "send_forward_recv_backward":
+            output_grads[op.recv_mb] = comm.send_forward_recv_backward(output, op.mb, op.recv_mb)
+        elif op.kind == "recv_backward":
+            output_grads[op.mb] = comm.recv_backward(op.mb)
+        elif op.kind == "backward":
+            stats.log.append(("backward", op.mb))
+            input_grad = stage.backward_step(op.mb, inputs.pop(op.mb, None), outputs.pop(op.mb),
+                                             output_grads.pop(op.mb, None))
+        elif op.kind == "send_backward":
+            comm.send_backward(input_grad, op.mb)
+        elif op.kind == "send_backward_recv_forward":
+            inputs[op.recv_mb] = comm.send_backward_recv_forward(input_grad, op.mb, op.recv_mb)
+        else:
+            raise ValueError(f"unknown pipeline op {op.kind!r}")
+    output = input_grad = None
+    if outputs or output_grads:
+        raise RuntimeError(f"schedule left micro-batches {sorted(outputs)} without a backward")
+    return stats
