@@ -128,3 +128,15 @@ def test_no_weight_decay_for_biases_and_norms():
     decay, no_decay = parameter_groups(model, 0.1)
     assert decay["weight_decay"] == 0.1 and [p.shape for p in decay["params"]] == [(4, 4)]
     assert no_decay["weight_decay"] == 0.0 and len(no_decay["params"]) == 3
+
+
+def test_fewer_microbatches_than_stages_warns():
+    args = args_for("--num-layers", "4", "--pipeline-model-parallel-size", "4", "--micro-batch-size", "2",
+                    "--global-batch-size", "4")
+    with pytest.warns(UserWarning, match=r"2 micro-batch\(es\) per step for 4 pipeline stages.*60%"):
+        plan = validate(args, 4)
+    assert plan.num_microbatches == 2
+    assert plan.stage_layers == (range(0, 1), range(1, 2), range(2, 3), range(3, 4))
+    args = args_for("--num-layers", "5", "--pipeline-model-parallel-size", "2", "--decoder-last-pipeline-num-layers", "2",
+                    "--global-batch-size", "16", "--micro-batch-size", "4")
+    assert validate(args, 2).stage_layers == (range(0, 3), range(3, 5))

@@ -1,38 +1,63 @@
-"""Convert model checkpoints: Hugging Face GPT-2 <-> codegeex_train, at any tensor-parallel size.
+"""Convert model checkpoints: Hugging Face GPT-2 <-> codegeex_train, at any tensor- and pipeline-parallel size.
 
-    # HF GPT-2 (save_pretrained dir) -> our checkpoint split for TP=2
-    python tools/convert_checkpoint.py --from-hf HF_DIR --save OUT_DIR --tensor-model-parallel-size 2
-    # our checkpoint (any TP) -> HF GPT-2 (needs --no-top-query-layer, --activation gelu_tanh)
+    # HF GPT-2 (save_pretrained dir) -> our checkpoint split for TP=2, PP=2
+    python tools/convert_checkpoint.py --from-hf HF_DIR --save OUT_DIR --tensor-model-parallel-size 2 \\
+        --pipeline-model-parallel-size 2
+    # our checkpoint (any TP, PP) -> HF GPT-2 (needs --no-top-query-layer, --activation gelu_tanh)
     python tools/convert_checkpoint.py --load CKPT_DIR --to-hf HF_OUT_DIR
-    # re-split our checkpoint for another TP size
-    python tools/convert_checkpoint.py --load CKPT_DIR --save OUT_DIR --tensor-model-parallel-size 4
+    # re-split our checkpoint (any TP, PP) for another TP / PP; uneven layer splits as in training
+    python tools/convert_checkpoint.py --load CKPT_DIR --save OUT_DIR --tensor-model-parallel-size 4 \\
+        --pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 11
 
 The output uses the training checkpoint layout (OUT_DIR/latest, OUT_DIR/iter_0000000/mp_rank_XX_model_states.pt),
-so ``--load OUT_DIR`` in training picks it up.
+so ``--load OUT_DIR`` in training with the same TP / PP flags picks it up.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import NamedTuple
 
-from codegeex_train.model.checkpoint import CheckpointError, load_full_state_dict, save_model_checkpoint
+from codegeex_train.model.checkpoint import (
+    CheckpointError,
+    load_full_state_dict,
+    read_checkpoint_meta,
+    save_model_checkpoint,
+)
+from codegeex_train.model.config import ModelConfig
 from codegeex_train.model.sharding import (
     config_from_hf_gpt2,
     full_to_hf_gpt2,
     hf_gpt2_config,
     hf_gpt2_to_full,
-    split_state_dict,
+    split_model_parallel,
 )
+from codegeex_train.pipeline.stages import stage_layer_ranges
 
 
-def from_hf(hf_dir: str, save_dir: str, tp_size: int, make_vocab_size_divisible_by: int) -> None:
-    from transformers import GPT2LMHeadModel
+class Layout(NamedTuple):  # not a dataclass: tests load this file as a module outside sys.modules
+    """The model-parallel layout of a written checkpoint: TP size, PP size and the uneven-split flags."""
 
-    hf_model = GPT2LMHeadModel.from_pretrained(hf_dir)
-    config = config_from_hf_gpt2(hf_model.config, make_vocab_size_divisible_by)
-    full = hf_gpt2_to_full(hf_model.state_dict(), config)
-    save_model_checkpoint(save_dir, split_state_dict(full, config, tp_size), config, tp_size)
+    tp_size: int = 1
+    pp_size: int = 1
+    first: int | None = None
+    last: int | None = None
+
+    def stage_layers(self, config: ModelConfig) -> list[range]:
+        """Each stage's layers; checks TP and the split against ``config`` before any weight is read."""
+        config.validate(self.tp_size)
+        return stage_layer_ranges(config.num_layers, self.pp_size, self.first, self.last)
+
+
+def from_hf(hf_dir: str, save_dir: str, layout: Layout, make_vocab_size_divisible_by: int) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = config_from_hf_gpt2(GPT2Config.from_pretrained(hf_dir), make_vocab_size_divisible_by)
+    stage_layers = layout.stage_layers(config)  # a bad split fails before the weights load
+    full = hf_gpt2_to_full(GPT2LMHeadModel.from_pretrained(hf_dir).state_dict(), config)
+    save_model_checkpoint(save_dir, split_model_parallel(full, config, layout.tp_size, stage_layers), config,
+                          layout.tp_size, pp_size=layout.pp_size)
 
 
 def to_hf(load_dir: str, hf_dir: str) -> None:
@@ -44,34 +69,68 @@ def to_hf(load_dir: str, hf_dir: str) -> None:
     hf_model.save_pretrained(hf_dir)
 
 
-def reshard(load_dir: str, save_dir: str, tp_size: int) -> None:
+def reshard(load_dir: str, save_dir: str, layout: Layout) -> None:
+    _, meta = read_checkpoint_meta(load_dir)  # metadata only: a bad split fails before the weights load
+    stage_layers = layout.stage_layers(ModelConfig(**meta["model_config"]))
     full, config, meta = load_full_state_dict(load_dir)
-    save_model_checkpoint(save_dir, split_state_dict(full, config, tp_size), config, tp_size,
-                          iteration=meta["iteration"], tag=f"iter_{meta['iteration']:07d}")
+    save_model_checkpoint(save_dir, split_model_parallel(full, config, layout.tp_size, stage_layers), config,
+                          layout.tp_size, pp_size=layout.pp_size, iteration=meta["iteration"],
+                          tag=f"iter_{meta['iteration']:07d}")
 
 
-def main(argv: list[str] | None = None) -> None:
+_LAYOUT_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+                 "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--from-hf", metavar="HF_DIR", help="a GPT2LMHeadModel saved with save_pretrained")
-    src.add_argument("--load", metavar="CKPT_DIR", help="a codegeex_train checkpoint directory (with 'latest')")
+    src.add_argument("--load", metavar="CKPT_DIR", help="a codegeex_train checkpoint directory (with 'latest'), "
+                     "at any TP / PP")
     dst = p.add_mutually_exclusive_group(required=True)
     dst.add_argument("--save", metavar="OUT_DIR", help="write a codegeex_train checkpoint here")
     dst.add_argument("--to-hf", metavar="HF_OUT_DIR", help="write a GPT2LMHeadModel (save_pretrained) here")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP size of the written checkpoint")
+    # Defaults None so that a layout flag given with --to-hf (which has no layout) is an error, not ignored.
+    p.add_argument("--tensor-model-parallel-size", type=int, metavar="N",
+                   help="TP size of the written checkpoint (default 1)")
+    p.add_argument("--pipeline-model-parallel-size", type=int, metavar="N",
+                   help="PP size of the written checkpoint (default 1)")
+    p.add_argument("--decoder-first-pipeline-num-layers", type=int, metavar="N",
+                   help="layers on the first pipeline stage, as in training (default: an even split)")
+    p.add_argument("--decoder-last-pipeline-num-layers", type=int, metavar="N",
+                   help="layers on the last pipeline stage, as in training (default: an even split)")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the vocabulary to a multiple of this (with --from-hf)")
     args = p.parse_args(argv)
     if args.from_hf and args.to_hf:
         p.error("--from-hf with --to-hf converts nothing: use --save")
+    given = [f for f in _LAYOUT_FLAGS if getattr(args, f[2:].replace("-", "_")) is not None]
+    if args.to_hf and given:
+        p.error(f"{', '.join(given)}: --to-hf writes one unsplit Hugging Face model; these apply to --save")
+    for flag in _LAYOUT_FLAGS[:2]:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None and value < 1:
+            p.error(f"{flag} {value}: must be >= 1")
+    return args
+
+
+def layout_of(args: argparse.Namespace) -> Layout:
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    return Layout(1 if tp is None else tp, 1 if pp is None else pp,
+                  args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     try:
         if args.from_hf:
-            from_hf(args.from_hf, args.save, args.tensor_model_parallel_size, args.make_vocab_size_divisible_by)
+            from_hf(args.from_hf, args.save, layout_of(args), args.make_vocab_size_divisible_by)
         elif args.to_hf:
             to_hf(args.load, args.to_hf)
         else:
-            reshard(args.load, args.save, args.tensor_model_parallel_size)
-    except (CheckpointError, ValueError) as e:  # ModelConfigError is a ValueError
+            reshard(args.load, args.save, layout_of(args))
+    except (CheckpointError, ValueError) as e:  # ModelConfigError and PipelineSplitError are ValueErrors
         sys.exit(f"convert_checkpoint.py: error: {e}")
     print(f"wrote {args.save or args.to_hf}")
 

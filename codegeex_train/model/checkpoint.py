@@ -96,8 +96,8 @@ def _check_fits(directory, tag: str, meta: dict, config: ModelConfig, tp_size: i
                 warnings.warn(f"checkpoint {directory} was saved with {name}={getattr(stored, name)!r}; "
                               f"this run uses {getattr(config, name)!r}", stacklevel=3)
         return
-    hint = ("; convert it with tools/convert_checkpoint.py --load DIR --save NEW_DIR --tensor-model-parallel-size N"
-            if theirs == ours else "")
+    hint = ("; convert it with tools/convert_checkpoint.py --load DIR --save NEW_DIR --tensor-model-parallel-size N "
+            "--pipeline-model-parallel-size M" if theirs == ours else "")
     raise CheckpointError(f"checkpoint {directory} ({tag}) has {_describe(theirs, meta['tp_size'], meta['pp_size'])}; "
                           f"this run has {_describe(ours, tp_size, pp_size)}{hint}")
 

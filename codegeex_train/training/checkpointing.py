@@ -67,7 +67,7 @@ def preflight_load(load_dir: str, config: ModelConfig, dims: ParallelDims) -> di
         raise ConfigError(
             f"--load {load_dir} ({tag}) was saved from a different model or parallel layout ({diff}). "
             f"Checkpoint: {_describe(theirs)}. This run: {_describe(ours)}. Use the same model flags, TP and PP "
-            f"sizes (tools/convert_checkpoint.py re-shards to another TP size)")
+            f"sizes (tools/convert_checkpoint.py re-shards model weights to another TP and PP size)")
     return {"tag": tag, **meta}
 
 

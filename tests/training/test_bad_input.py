@@ -89,3 +89,15 @@ def test_load_pointing_at_nothing(capsys, tiny_data, tmp_path):
     fails_with(capsys, MODEL + ["--data-path", tiny_data, "--load", str(tmp_path / "missing")], "--load", "missing")
     (tmp_path / "empty").mkdir()
     fails_with(capsys, MODEL + ["--data-path", tiny_data, "--load", str(tmp_path / "empty")], "latest")
+
+
+def test_pipeline_split(capsys, tiny_data, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    base = MODEL[2:] + ["--data-path", tiny_data, "--pipeline-model-parallel-size", "2"]
+    fails_with(capsys, base + ["--num-layers", "3"], "--num-layers 3 is not divisible by --pipeline-model-parallel-size 2",
+               "--decoder-first-pipeline-num-layers")
+    fails_with(capsys, base + ["--num-layers", "3", "--decoder-first-pipeline-num-layers", "2",
+                               "--decoder-last-pipeline-num-layers", "2"], "add up to 4", "--num-layers 3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    fails_with(capsys, MODEL[2:] + ["--data-path", tiny_data, "--pipeline-model-parallel-size", "4", "--num-layers", "2"],
+               "--pipeline-model-parallel-size 4 is larger than --num-layers 2")
