@@ -101,7 +101,7 @@ def train_args(data, save, pp, iters):
 def tokens_per_s(save, skip):
     with open(os.path.join(save, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
-    vals = [r["tokens_per_s"] for r in rows if "split" not in r and r["iteration"] > skip]
+    vals = [r["tokens_per_s"] for r in rows if r.get("split", "train") == "train" and r["iteration"] > skip]
     return sum(vals) / len(vals)
 
 

@@ -191,6 +191,10 @@ def validate(args: Args, world_size: int) -> BatchPlan:
                                                 p.decoder_last_pipeline_num_layers))
     except PipelineSplitError as e:
         raise ConfigError(str(e)) from None
+    if dims.pp_size > 1 and t.zero_stage == 0:
+        # Without ZeRO, DeepSpeed's own clipping does not skip the tied copy (measured: 3e-5 off by step 4).
+        raise ConfigError(f"--pipeline-model-parallel-size {dims.pp_size} needs --zero-stage 1 or 2 (the stages' "
+                          f"gradient norm is exact only through ZeRO's mpu-aware path); --zero-stage 0 is PP = 1 only")
     if 1 < dims.pp_size and num_microbatches < dims.pp_size:
         bubble = (dims.pp_size - 1) / (num_microbatches + dims.pp_size - 1)
         warnings.warn(f"{num_microbatches} micro-batch(es) per step for {dims.pp_size} pipeline stages: the bubble "

@@ -2,14 +2,20 @@
 # Pretrain a CodeGeeX model with codegeex_train.
 #
 #   bash scripts/pretrain_codegen.sh                      # small CodeGeeX, stdlib corpus, CPU, 2 ranks, ~8 min
+#   PP=2 bash scripts/pretrain_codegen.sh                 # the same on CPU as a 2-stage pipeline (TP 1, PP 2)
 #   DEVICE=gpu NUM_GPUS=8 TP=8 bash scripts/pretrain_codegen.sh
+#   # CodeGeeX-13B: TP 8 inside each node, 4 pipeline stages across nodes (10+10+10+9 of the 39 layers: the
+#   # last stage also holds the top query layer and the output layer), ZeRO-2 DP over the rest
+#   CONFIG=codegeex-13b DEVICE=gpu HOSTFILE=hostfile TP=8 PP=4 MICRO_BATCH=2 GLOBAL_BATCH=1536 \
+#       DATA_PATH=... TOKENIZER_ARGS=... bash scripts/pretrain_codegen.sh --decoder-last-pipeline-num-layers 9
 #   CONFIG=codegeex-13b DEVICE=gpu HOSTFILE=hostfile TP=8 DATA_PATH=data/code_text_document \
 #       TOKENIZER_ARGS="--tokenizer-type HFTokenizer --tokenizer-model tokenizer.json" \
 #       GLOBAL_BATCH=1536 bash scripts/pretrain_codegen.sh --wandb-project codegeex
 #
 # Variables: OUTPUT_DIR (checkpoints, metrics.jsonl, logs; default ./outputs/codegen-default), CONFIG
 # (default | codegeex-13b), DEVICE (cpu | gpu; default gpu when nvidia-smi sees one), NUM_GPUS (ranks per
-# node), HOSTFILE (several nodes, via pdsh/ssh), TP, PP, MICRO_BATCH, GLOBAL_BATCH, TRAIN_ITERS, SEQ_LENGTH,
+# node), HOSTFILE (several nodes, via pdsh/ssh), TP, PP (stages; 39 layers split unevenly need
+# --decoder-first/last-pipeline-num-layers), MICRO_BATCH, GLOBAL_BATCH, TRAIN_ITERS, SEQ_LENGTH,
 # DATA_PATH (default: the Python stdlib, preprocessed on first use), TOKENIZER_ARGS, DS_CONFIG, LR.
 # Any further arguments go to codegeex_train/pretrain.py and override the ones set here.
 set -euo pipefail

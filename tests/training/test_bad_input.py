@@ -101,3 +101,5 @@ def test_pipeline_split(capsys, tiny_data, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     fails_with(capsys, MODEL[2:] + ["--data-path", tiny_data, "--pipeline-model-parallel-size", "4", "--num-layers", "2"],
                "--pipeline-model-parallel-size 4 is larger than --num-layers 2")
+    fails_with(capsys, MODEL + ["--data-path", tiny_data, "--pipeline-model-parallel-size", "2", "--zero-stage", "0"],
+               "--zero-stage 1 or 2")
