@@ -27,6 +27,7 @@ pretrain: env
 
 bench: env
 	$(PY) benchmarks/preprocess_throughput.py
+	$(PY) benchmarks/pipeline.py
 
 clean:
 	rm -rf $(VENV) .cache outputs

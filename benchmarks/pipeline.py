@@ -13,7 +13,8 @@
    and once with PP=1 (DP=2, 4 per rank), same model and global batch 32; tokens/s is read from
    <save>/metrics.jsonl and averaged over iterations after the first two. On CPU, PP=1/DP=2 has no bubble and
    each rank holds the whole model, so PP2/PP1 < 1 measures the bubble + p2p (+ stage imbalance: the last stage
-   also holds the logits) cost, not the speed-up pipelining buys when a model does not fit on one GPU.
+   also holds the logits) cost, less the gradient all-reduce DP=2 pays and PP=2 does not; not the speed-up
+   pipelining buys when a model does not fit on one GPU.
 """
 
 from __future__ import annotations
@@ -161,7 +162,7 @@ def main(argv=None):
             print(f"  PP={pp} DP={2 // pp}: {results[pp]:8.0f} tokens/s  ({32 // 4 // (2 // pp)} micro-batches "
                   f"per rank per step; run {time.perf_counter() - t0:.0f} s)", flush=True)
         print(f"  PP2/PP1 = {results[2] / results[1]:.2f}  (on CPU, PP=1 with DP=2 has no bubble: this ratio is the "
-              f"bubble + p2p + stage-imbalance cost, not a GPU speed-up)")
+              f"bubble + p2p + stage-imbalance cost, less DP's gradient all-reduce; not a GPU speed-up)")
 
 
 if __name__ == "__main__":
