@@ -139,7 +139,6 @@ def run_schedule(ops: list[Op], stage: PipelineStage, comm: P2PCommunicator,
             inputs[op.recv_mb] = comm.send_backward_recv_forward(input_grad, op.mb, op.recv_mb)
         else:
             raise ValueError(f"unknown pipeline op {op.kind!r}")
-    output = input_grad = None
     if outputs or output_grads:
         raise RuntimeError(f"schedule left micro-batches {sorted(outputs)} without a backward")
     return stats
