@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: env test pretrain bench clean
+.PHONY: env cluster-deps test pretrain bench clean
 
 env: $(VENV)/.installed
 
@@ -19,7 +19,17 @@ $(VENV)/.installed: setup.py
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
-test: env
+# tests/cluster launches `deepspeed --hostfile` through pdsh and ssh to two loopback "hosts": it needs pdsh
+# and sshd. Installed (apt) only when one is missing; sudo when not root.
+cluster-deps:
+	@if ! command -v pdsh >/dev/null 2>&1 || ! test -x /usr/sbin/sshd; then \
+		SUDO=; if [ "$$(id -u)" != 0 ] && command -v sudo >/dev/null 2>&1; then SUDO=sudo; fi; \
+		echo "cluster-deps: installing pdsh openssh-server"; \
+		$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+		$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pdsh openssh-server; \
+	fi
+
+test: env cluster-deps
 	$(PY) -m pytest -q tests
 
 pretrain: env

@@ -35,8 +35,8 @@ class ParallelConfig:
                                                           "the final LayerNorm, top query layer and output layer)")
     distributed_backend: str = option("auto", "torch.distributed backend; auto = nccl on GPU, gloo on CPU",
                                       choices=("auto", "nccl", "gloo"))
-    gpus_per_node: int | None = option(None, "devices per node, to warn when a TP group spans nodes "
-                                       "(default: the launcher's LOCAL_WORLD_SIZE)")
+    distributed_timeout_minutes: float = option(10.0, "bound on every wait: forming the job (a node that "
+                                                "never joins) and each collective (a peer that stopped)")
 
 
 @dataclass
@@ -63,6 +63,10 @@ class TrainConfig:
                                           "agree with batch sizes, clipping, precision and ZeRO stage")
     zero_stage: int = option(2, "DeepSpeed ZeRO stage", choices=(0, 1, 2))
     exit_interval: int | None = option(None, "stop after this many iterations of this run (for tests)")
+    exit_signal_handler: bool = option(False, "on SIGTERM (preemption) finish the iteration, save a checkpoint "
+                                       "(with --save) and exit 0; all ranks stop at the same iteration")
+    exit_duration_in_mins: float | None = option(None, "stop the same way once this run has taken this many "
+                                                 "minutes (set it below the job's wall-clock limit)")
 
 
 @dataclass
@@ -220,6 +224,11 @@ def validate(args: Args, world_size: int) -> BatchPlan:
         raise ConfigError("--lr-warmup-iters and --lr-warmup-fraction are exclusive")
     if o.min_lr > o.lr:
         raise ConfigError(f"--min-lr {o.min_lr} is above --lr {o.lr}")
+    if args.parallel.distributed_timeout_minutes <= 0:
+        raise ConfigError(f"--distributed-timeout-minutes {args.parallel.distributed_timeout_minutes} must be "
+                          f"above 0 (it bounds every wait; Megatron's default is 10)")
+    if t.exit_duration_in_mins is not None and t.exit_duration_in_mins <= 0:
+        raise ConfigError(f"--exit-duration-in-mins {t.exit_duration_in_mins} must be above 0")
     if t.load is not None and not os.path.isdir(t.load):
         raise ConfigError(f"--load {t.load}: no such directory")
     return BatchPlan(dims, t.micro_batch_size, num_microbatches, stage_layers)

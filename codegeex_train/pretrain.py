@@ -21,12 +21,20 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from codegeex_train.arguments import Args, BatchPlan, ConfigError, parse_args, validate
+from codegeex_train.cluster import (
+    ClusterError,
+    cluster_report,
+    gather_places,
+    join_process_group,
+    rank_env_from_slurm,
+)
 from codegeex_train.ds_config import build_deepspeed_config, load_user_config
 from codegeex_train.model.checkpoint import load_model_checkpoint
 from codegeex_train.model.codegeex import CodeGeeXModel
@@ -35,9 +43,10 @@ from codegeex_train.model.summary import model_summary
 from codegeex_train.optim import LRSchedule, build_optimizer
 from codegeex_train.pipeline import mark_shared_embedding_copy, sync_shared_embedding
 from codegeex_train.tensor_parallel import model_parallel_seed
-from codegeex_train.topology import DeepSpeedMPU, Topology, warn_if_tp_spans_nodes
+from codegeex_train.topology import DeepSpeedMPU, Topology
 from codegeex_train.training.checkpointing import TrainState, has_optimizer_states, load_checkpoint, preflight_load
 from codegeex_train.training.data import build_datasets, load_tokenizer, loader, num_samples, preflight_data
+from codegeex_train.training.exit_conditions import ExitConditions
 from codegeex_train.training.metrics import MetricsLogger
 from codegeex_train.training.trainer import Run, train
 
@@ -60,7 +69,8 @@ def prepare(argv: list[str] | None) -> tuple[Args, BatchPlan, dict, dict | None]
 
 
 def init_distributed(args: Args, plan: BatchPlan) -> tuple[Topology, torch.device]:
-    """Join (or create) the default process group; then build the topology's groups."""
+    """Join (or create) the default process group, every wait bounded by --distributed-timeout-minutes; then
+    build the topology's groups."""
     import deepspeed
 
     use_cuda = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
@@ -71,19 +81,30 @@ def init_distributed(args: Args, plan: BatchPlan) -> tuple[Topology, torch.devic
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
+    timeout = timedelta(minutes=args.parallel.distributed_timeout_minutes)
     if not dist.is_initialized():
         os.environ.setdefault("RANK", "0")  # a plain `python -m codegeex_train.pretrain` is a world of one
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("LOCAL_RANK", "0")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
-        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timedelta(minutes=30))
-    gpus_per_node = args.parallel.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", plan.dims.world_size))
-    warn_if_tp_spans_nodes(plan.dims, gpus_per_node)
-    return Topology(plan.dims), device
+        join_process_group(backend, timeout, device)
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)
+    return Topology(plan.dims, timeout=timeout), device
+
+
+def report_cluster(topology: Topology) -> dict:
+    """Rank 0 prints the layout the ranks report; every rank returns it (run metadata)."""
+    text, meta = cluster_report(gather_places(), topology.dims)
+    if topology.rank == 0:
+        print(text, flush=True)
+    return meta
 
 
 def main(argv: list[str] | None = None) -> TrainState:
+    start_time = time.time()  # --exit-duration-in-mins counts from here, as Megatron's does
+    if not dist.is_initialized():
+        rank_env_from_slurm()
     try:
         args, plan, ds_config, resume = prepare(argv)
     except ConfigError as e:
@@ -92,7 +113,12 @@ def main(argv: list[str] | None = None) -> TrainState:
     owns_process_group = not dist.is_initialized()
     import deepspeed
 
-    topology, device = init_distributed(args, plan)
+    try:
+        topology, device = init_distributed(args, plan)
+    except ClusterError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    cluster = report_cluster(topology)
     t = args.train
     # Same default stream on every TP rank (replicated dropout), a per-TP-rank stream for sharded dropout;
     # stages differ (Megatron's +100 per stage) so they do not repeat each other's masks.
@@ -132,15 +158,19 @@ def main(argv: list[str] | None = None) -> TrainState:
     logging_rank = topology.is_last_stage and topology.tp_rank == 0 and topology.dp_rank == 0
     run_config = {name: dataclasses.asdict(getattr(args, name)) for name in ("model", "parallel", "train", "optim",
                                                                               "data")}
-    logger = MetricsLogger(args.logging, enabled=logging_rank, save_dir=t.save, run_config=run_config,
-                           train_iters=t.train_iters, start_iteration=state.iteration,
-                           resume_wandb_id=state.wandb_run_id)
+    logger = MetricsLogger(args.logging, enabled=logging_rank, save_dir=t.save,
+                           run_config={**run_config, "cluster": cluster}, train_iters=t.train_iters,
+                           start_iteration=state.iteration, resume_wandb_id=state.wandb_run_id)
+    logger.log_metadata({"iteration": state.iteration, "cluster": cluster})
     flops = model_flops_per_iteration(args.model, plan.global_batch_size, t.seq_length, t.checkpoint_activations)
     peak = args.logging.peak_tflops * 1e12 if args.logging.peak_tflops else None
-    run = Run(args, plan, topology, engine, tracker, device, logger, flops, peak)
+    exit_conditions = ExitConditions(signal_handler=t.exit_signal_handler, duration_mins=t.exit_duration_in_mins,
+                                     start_time=start_time, device=device)
+    run = Run(args, plan, topology, engine, tracker, device, logger, flops, peak, exit_conditions=exit_conditions)
     try:
         state = train(run, state, train_loader, valid_loader, test_loader)
     finally:
+        exit_conditions.close()
         logger.close()
     if owns_process_group:
         dist.barrier()

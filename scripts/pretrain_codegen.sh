@@ -16,8 +16,12 @@
 # (default | codegeex-13b), DEVICE (cpu | gpu; default gpu when nvidia-smi sees one), NUM_GPUS (ranks per
 # node), HOSTFILE (several nodes, via pdsh/ssh), TP, PP (stages; 39 layers split unevenly need
 # --decoder-first/last-pipeline-num-layers), MICRO_BATCH, GLOBAL_BATCH, TRAIN_ITERS, SEQ_LENGTH,
-# DATA_PATH (default: the Python stdlib, preprocessed on first use), TOKENIZER_ARGS, DS_CONFIG, LR.
+# DATA_PATH (default: the Python stdlib, preprocessed on first use), TOKENIZER_ARGS, DS_CONFIG, LR,
+# LAUNCHER_ARGS (more deepspeed launcher flags: --master_addr, --master_port, --ssh_port, --no_ssh --node_rank K).
 # Any further arguments go to codegeex_train/pretrain.py and override the ones set here.
+#
+# Failures: a dead rank brings the job down; run the same command again and it resumes from OUTPUT_DIR's last
+# complete checkpoint. SIGTERM (preemption) finishes the iteration, saves, and exits 0 on every rank.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -71,13 +75,20 @@ if [ -z "${DATA_PATH:-}" ]; then
 fi
 
 if [ -n "${HOSTFILE:-}" ]; then
+  # pdsh forwards only PYTHON*/UCX*/... variables to the other nodes; the rest travel in a .deepspeed_env file
+  # (DS_ENV_FILE). Credentials never go there (log in to wandb / Hugging Face on each node instead).
+  export DS_ENV_FILE=$(cd "$OUTPUT_DIR" && pwd)/.deepspeed_env
+  (umask 077
+   env | grep -E '^(DS_ACCELERATOR|TORCH_EXTENSIONS_DIR|OMP_NUM_THREADS|WANDB_[A-Z_]*|HF_[A-Z_]*|NCCL_[A-Z_]*|GLOO_[A-Z_]*)=' \
+     | grep -Ev '^[^=]*(KEY|TOKEN|SECRET|PASSWORD)[^=]*=' \
+     | while IFS='=' read -r name value; do printf '%s=%q\n' "$name" "$value"; done > "$DS_ENV_FILE")
   LAUNCHER=(deepspeed --hostfile "$HOSTFILE")
-  # pdsh forwards only PYTHON*/UCX*/... variables; the rest must be listed in .deepspeed_env.
-  env | grep -E '^(DS_ACCELERATOR|TORCH_EXTENSIONS_DIR|OMP_NUM_THREADS|WANDB_[A-Z_]*|HF_[A-Z_]*|NCCL_[A-Z_]*)=' \
-    > "$ROOT/.deepspeed_env" || true
 else
   LAUNCHER=(deepspeed --num_gpus "$NUM_GPUS")
 fi
+# e.g. LAUNCHER_ARGS="--master_addr 10.0.0.1 --master_port 29500 --ssh_port 2222" (word list)
+# shellcheck disable=SC2206
+LAUNCHER+=(${LAUNCHER_ARGS:-})
 command -v deepspeed >/dev/null 2>&1 || LAUNCHER=("$PYTHON" -m deepspeed.launcher.runner "${LAUNCHER[@]:1}")
 
 # Resume automatically from this output directory's last complete checkpoint.
@@ -96,5 +107,5 @@ echo "codegeex_train: CONFIG=$CONFIG DEVICE=$DEVICE ranks/node=$NUM_GPUS TP=$TP 
   --data-path "$DATA_PATH" --split 969,30,1 ${TOKENIZER_ARGS:-} \
   --deepspeed-config "$DS_CONFIG" --zero-stage 2 \
   --save "$OUTPUT_DIR" --save-interval "$SAVE_INTERVAL" --eval-interval "$EVAL_INTERVAL" --eval-iters 4 \
-  --log-interval "$LOG_INTERVAL" --num-workers 1 "${RESUME_ARGS[@]}" \
+  --log-interval "$LOG_INTERVAL" --num-workers 1 --exit-signal-handler "${RESUME_ARGS[@]}" \
   "$@" 2>&1 | tee "$LOG"

@@ -1,7 +1,11 @@
-"""Suite-wide environment: CPU DeepSpeed with a per-checkout JIT cache, and nothing from the network."""
+"""Suite-wide environment (CPU DeepSpeed with a per-checkout JIT cache, nothing from the network) and the
+fixtures every end-to-end test uses: DeepSpeed's CPU comm op built once up front, and a tiny preprocessed
+corpus (a slice of the Python stdlib with the shipped tokenizer)."""
 
 import os
 from pathlib import Path
+
+import pytest
 
 _ROOT = Path(__file__).resolve().parent.parent
 
@@ -13,3 +17,28 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
+# gloo binds to the address the host name resolves to unless told otherwise: keep every test on loopback.
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
+@pytest.fixture(scope="session")
+def deepspeed_ops():
+    # The first deepspeed.initialize JIT-builds this op (40-75 s) into TORCH_EXTENSIONS_DIR. Building it
+    # here, once, keeps that out of the spawned ranks' collective timeouts; later loads take milliseconds.
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None and builder.is_compatible():
+        builder.load()
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory, deepspeed_ops) -> str:
+    from codegeex_train.data.default_corpus import default_corpus_files  # after the environment above
+    from codegeex_train.data.preprocess import TokenizerSpec, preprocess
+
+    out = tmp_path_factory.mktemp("data") / "stdlib"
+    files = default_corpus_files()[:60]
+    summary = preprocess(files, str(out), TokenizerSpec(whitespace_encoding=True), append_eod=True, workers=1,
+                         progress=False)
+    return summary.output_prefixes[0]

@@ -212,6 +212,17 @@ class MetricsLogger:
         if self._bar is not None and record["split"] == "train" and record.get("loss") is not None:
             self._bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
 
+    def log_metadata(self, record: dict) -> None:
+        """A ``split: metadata`` line in metrics.jsonl (run facts such as the cluster layout; wandb has them in
+        its run config); not printed, not a metric."""
+        if not self.enabled:
+            return
+        record = {"iteration": int(record["iteration"]), "split": "metadata",
+                  **{k: v for k, v in record.items() if k != "iteration"}}
+        for sink in self.sinks:
+            if isinstance(sink, JsonlSink):
+                sink.write(record)
+
     def advance(self, iteration: int) -> None:
         """Move the progress bar to ``iteration`` (call every iteration; cheap, no host sync)."""
         if self._bar is not None:

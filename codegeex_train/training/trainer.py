@@ -22,7 +22,8 @@ from ..pipeline import (
 )
 from ..tensor_parallel import RNGStatesTracker
 from ..topology import Topology
-from .checkpointing import TrainState, save_checkpoint
+from .checkpointing import TrainState, checkpoint_tag, save_checkpoint
+from .exit_conditions import ExitConditions
 from .metrics import memory_gb, throughput_record
 from .stage import EngineStage
 
@@ -41,6 +42,7 @@ class Run:
     flops_per_iteration: float
     peak_flops_per_device: float | None = None  # for MFU; None on CPU
     p2p: P2PCommunicator | None = None  # None: built from the topology and the activation shape
+    exit_conditions: ExitConditions | None = None  # SIGTERM / wall-clock stops; None: never
 
     def __post_init__(self) -> None:
         if self.p2p is None:
@@ -130,7 +132,8 @@ def train(run: Run, state: TrainState, train_loader, valid_loader=None, test_loa
         state.consumed_train_samples += run.plan.global_batch_size
         interval_iters += 1
         run.logger.advance(state.iteration)
-        last = state.iteration == t.train_iters or (
+        stop_reason = run.exit_conditions.check() if run.exit_conditions else None  # the same on every rank
+        last = stop_reason is not None or state.iteration == t.train_iters or (
             t.exit_interval is not None and state.iteration - start_iteration >= t.exit_interval)
 
         # A run's first iteration is always logged: its loss is the sanity check of a (re)start.
@@ -143,12 +146,17 @@ def train(run: Run, state: TrainState, train_loader, valid_loader=None, test_loa
             step_seconds, interval_iters = 0.0, 0
         else:
             step_seconds += time.perf_counter() - step_start
-        if valid_loader is not None and t.eval_interval and state.iteration % t.eval_interval == 0:
+        if (valid_loader is not None and t.eval_interval and state.iteration % t.eval_interval == 0
+                and stop_reason is None):  # preempted: the grace period is for the checkpoint
             _log_eval(run, state, "valid", evaluate(run, valid_loader))
         saving = t.save and (last or (t.save_interval and state.iteration % t.save_interval == 0))
         if saving:
             state.wandb_run_id = run.logger.wandb_run_id
             save_checkpoint(run.engine, t.save, state, run.args.model, run.topology, run.tracker)
+        if stop_reason is not None and run.topology.rank == 0:
+            saved = f"saved {checkpoint_tag(state.iteration)} to {t.save}" if t.save else "no --save: nothing saved"
+            print(f"{stop_reason}: stopping after iteration {state.iteration}; {saved}. Relaunch the same command "
+                  f"(with --load) to resume.", flush=True)
         if last:
             break
     if test_loader is not None and state.iteration == t.train_iters:
