@@ -67,6 +67,13 @@ class TrainConfig:
                                        "(with --save) and exit 0; all ranks stop at the same iteration")
     exit_duration_in_mins: float | None = option(None, "stop the same way once this run has taken this many "
                                                  "minutes (set it below the job's wall-clock limit)")
+    check_for_nan_in_loss_and_grad: bool = option(True, "stop with an error (exit 1, nothing saved) at the first "
+                                                  "iteration whose loss or gradient norm is NaN or Inf, checked "
+                                                  "every iteration (one all-reduce of a few integers and a host "
+                                                  "sync); with --no-check-for-nan-in-loss-and-grad only at "
+                                                  "iterations that log or save (never a checkpoint unchecked)")
+    max_consecutive_skipped_iterations: int = option(20, "fp16: stop with an error when more than this many steps "
+                                                     "in a row are skipped by dynamic loss scaling (0: no limit)")
 
 
 @dataclass
@@ -227,6 +234,9 @@ def validate(args: Args, world_size: int) -> BatchPlan:
     if args.parallel.distributed_timeout_minutes <= 0:
         raise ConfigError(f"--distributed-timeout-minutes {args.parallel.distributed_timeout_minutes} must be "
                           f"above 0 (it bounds every wait; Megatron's default is 10)")
+    if t.max_consecutive_skipped_iterations < 0:
+        raise ConfigError(f"--max-consecutive-skipped-iterations {t.max_consecutive_skipped_iterations} must be >= 0 "
+                          f"(0: no limit)")
     if t.exit_duration_in_mins is not None and t.exit_duration_in_mins <= 0:
         raise ConfigError(f"--exit-duration-in-mins {t.exit_duration_in_mins} must be above 0")
     if t.load is not None and not os.path.isdir(t.load):

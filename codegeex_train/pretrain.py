@@ -49,6 +49,7 @@ from codegeex_train.training.data import build_datasets, load_tokenizer, loader,
 from codegeex_train.training.exit_conditions import ExitConditions
 from codegeex_train.training.metrics import MetricsLogger
 from codegeex_train.training.trainer import Run, train
+from codegeex_train.training.universal import load_universal_training_state, load_universal_weights
 
 
 def prepare(argv: list[str] | None) -> tuple[Args, BatchPlan, dict, dict | None]:
@@ -129,7 +130,9 @@ def main(argv: list[str] | None = None) -> TrainState:
     mark_shared_embedding_copy(model, topology)
     if topology.rank == 0:
         print(model_summary(model, args.model, topology.tp_size, topology.pp_size), flush=True)
-    if resume and not has_optimizer_states(t.load, resume["tag"]):
+    if resume and resume.get("universal"):  # any layout: this rank's slice of the weights, before ZeRO copies them
+        load_universal_weights(model, t.load, resume["tag"], pp_rank=topology.pp_rank, stage_layers=plan.stage_layers)
+    elif resume and not has_optimizer_states(t.load, resume["tag"]):
         load_model_checkpoint(t.load, model, pp_size=topology.pp_size, pp_rank=topology.pp_rank)
         resume = None  # weights only (e.g. converted from Hugging Face): training state starts afresh
     sync_shared_embedding(model, topology)  # the last stage's output layer starts as the first stage's copy
@@ -138,7 +141,11 @@ def main(argv: list[str] | None = None) -> TrainState:
     schedule = LRSchedule(optimizer, args.optim, t.train_iters)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
                                            mpu=DeepSpeedMPU(topology), config=ds_config, dist_init_required=False)
-    if resume:
+    if resume and resume.get("universal"):
+        state = load_universal_training_state(engine, t.load, resume["tag"], pp_rank=topology.pp_rank,
+                                              stage_layers=plan.stage_layers)
+        sync_shared_embedding(engine.module, topology)
+    elif resume:
         state = load_checkpoint(engine, t.load, resume["tag"], tracker)
         sync_shared_embedding(engine.module, topology)
     else:

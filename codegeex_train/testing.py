@@ -109,3 +109,15 @@ def run_distributed(fn: Callable[..., Any], world_size: int, tp_size: int = 1, p
             if "Address already in use" not in str(e) or attempt == 2:
                 raise
     raise AssertionError("unreachable")
+
+
+def load_tool(name: str):
+    """``tools/<name>.py`` of this checkout as a module (tools/ is not a package), e.g. to call its main()."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "tools" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -8,15 +8,20 @@
     # re-split our checkpoint (any TP, PP) for another TP / PP; uneven layer splits as in training
     python tools/convert_checkpoint.py --load CKPT_DIR --save OUT_DIR --tensor-model-parallel-size 4 \\
         --pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 11
+    # a training checkpoint (any TP, PP, DP; with its ZeRO optimizer state) -> universal: resume at any layout
+    python tools/convert_checkpoint.py --load CKPT_DIR --to-universal OUT_DIR
 
 The output uses the training checkpoint layout (OUT_DIR/latest, OUT_DIR/iter_0000000/mp_rank_XX_model_states.pt),
-so ``--load OUT_DIR`` in training with the same TP / PP flags picks it up.
+so ``--load OUT_DIR`` in training with the same TP / PP flags picks it up. Every file read is unpickled
+weights-only (codegeex_train/safe_load.py): one whose pickle would run code is refused. --to-hf writes
+safetensors. Bad input ends with one ``convert_checkpoint.py: error: ...`` line and a non-zero exit.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import NamedTuple
 
 from codegeex_train.model.checkpoint import (
@@ -34,6 +39,10 @@ from codegeex_train.model.sharding import (
     split_model_parallel,
 )
 from codegeex_train.pipeline.stages import stage_layer_ranges
+from codegeex_train.safe_load import verify_files
+from codegeex_train.training.universal import to_universal
+
+PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth")  # what an HF directory may hold besides safetensors
 
 
 class Layout(NamedTuple):  # not a dataclass: tests load this file as a module outside sys.modules
@@ -51,11 +60,17 @@ class Layout(NamedTuple):  # not a dataclass: tests load this file as a module o
 
 
 def from_hf(hf_dir: str, save_dir: str, layout: Layout, make_vocab_size_divisible_by: int) -> None:
+    if not (Path(hf_dir) / "config.json").is_file():  # and never a Hub lookup of a mistyped path
+        raise CheckpointError(f"--from-hf {hf_dir}: not a Hugging Face model directory (no config.json)")
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = config_from_hf_gpt2(GPT2Config.from_pretrained(hf_dir), make_vocab_size_divisible_by)
+    config = config_from_hf_gpt2(GPT2Config.from_pretrained(hf_dir, local_files_only=True),
+                                 make_vocab_size_divisible_by)
     stage_layers = layout.stage_layers(config)  # a bad split fails before the weights load
-    full = hf_gpt2_to_full(GPT2LMHeadModel.from_pretrained(hf_dir).state_dict(), config)
+    # Pickled weights (older save_pretrained) pass our weights-only check before transformers opens them.
+    verify_files(sorted(p for pattern in PICKLED_WEIGHTS for p in Path(hf_dir).glob(pattern)))
+    hf_model = GPT2LMHeadModel.from_pretrained(hf_dir, local_files_only=True)
+    full = hf_gpt2_to_full(hf_model.state_dict(), config)
     save_model_checkpoint(save_dir, split_model_parallel(full, config, layout.tp_size, stage_layers), config,
                           layout.tp_size, pp_size=layout.pp_size)
 
@@ -66,7 +81,8 @@ def to_hf(load_dir: str, hf_dir: str) -> None:
     full, config, _ = load_full_state_dict(load_dir)
     hf_model = GPT2LMHeadModel(hf_gpt2_config(config))
     hf_model.load_state_dict(full_to_hf_gpt2(full, config))
-    hf_model.save_pretrained(hf_dir)
+    # model.safetensors, no pickle; transformers 5 always writes safetensors (and ignores the flag).
+    hf_model.save_pretrained(hf_dir, safe_serialization=True)
 
 
 def reshard(load_dir: str, save_dir: str, layout: Layout) -> None:
@@ -91,6 +107,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     dst = p.add_mutually_exclusive_group(required=True)
     dst.add_argument("--save", metavar="OUT_DIR", help="write a codegeex_train checkpoint here")
     dst.add_argument("--to-hf", metavar="HF_OUT_DIR", help="write a GPT2LMHeadModel (save_pretrained) here")
+    dst.add_argument("--to-universal", metavar="OUT_DIR", help="write a layout-free training checkpoint here "
+                     "(weights, Adam moments and step, LR schedule, counters): --load it at any TP / PP / DP")
     # Defaults None so that a layout flag given with --to-hf (which has no layout) is an error, not ignored.
     p.add_argument("--tensor-model-parallel-size", type=int, metavar="N",
                    help="TP size of the written checkpoint (default 1)")
@@ -108,6 +126,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     given = [f for f in _LAYOUT_FLAGS if getattr(args, f[2:].replace("-", "_")) is not None]
     if args.to_hf and given:
         p.error(f"{', '.join(given)}: --to-hf writes one unsplit Hugging Face model; these apply to --save")
+    if args.to_universal and (given or args.from_hf):
+        p.error(f"{', '.join(given) or '--from-hf'}: --to-universal converts a training checkpoint (--load) to no "
+                f"layout at all; pick the layout when you resume from it")
     for flag in _LAYOUT_FLAGS[:2]:
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None and value < 1:
@@ -128,11 +149,15 @@ def main(argv: list[str] | None = None) -> None:
             from_hf(args.from_hf, args.save, layout_of(args), args.make_vocab_size_divisible_by)
         elif args.to_hf:
             to_hf(args.load, args.to_hf)
+        elif args.to_universal:
+            to_universal(args.load, args.to_universal)
         else:
             reshard(args.load, args.save, layout_of(args))
-    except (CheckpointError, ValueError) as e:  # ModelConfigError and PipelineSplitError are ValueErrors
-        sys.exit(f"convert_checkpoint.py: error: {e}")
-    print(f"wrote {args.save or args.to_hf}")
+    # Our errors for bad input (ModelConfigError, PipelineSplitError and the converters' are ValueErrors);
+    # OSError: unreadable or unwritable paths, and transformers' report of an incomplete HF directory.
+    except (CheckpointError, ValueError, OSError) as e:
+        sys.exit(f"convert_checkpoint.py: error: {' '.join(str(e).split())}")
+    print(f"wrote {args.save or args.to_hf or args.to_universal}")
 
 
 if __name__ == "__main__":

@@ -14,12 +14,18 @@ JSON lines (field "content") with a GPT-2 BPE vocabulary:
         --output-prefix data/code --append-eod --workers 8
 
 Train with --data-path data/stdlib_text_document.
+
+Bad input (a missing file, a malformed JSON line, an unreadable tokenizer, a bad flag value) ends with one
+`preprocess_data.py: error: ...` line and a non-zero exit.
 """
 
 import argparse
+import sys
 
+from codegeex_train.data.corpus import CorpusError
+from codegeex_train.data.indexed_dataset import IndexedDatasetError
 from codegeex_train.data.preprocess import DEFAULT_INPUT, TokenizerSpec, preprocess
-from codegeex_train.data.tokenizer import DEFAULT_TOKENIZER_PATH, TOKENIZER_TYPES
+from codegeex_train.data.tokenizer import DEFAULT_TOKENIZER_PATH, TOKENIZER_TYPES, TokenizerError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -57,25 +63,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     run.add_argument("--workers", type=int, default=1, help="tokenizer processes")
     run.add_argument("--log-interval", type=int, default=100,
                      help="documents between throughput updates of the progress bar")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for flag in ("--workers", "--log-interval"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value < 1:
+            parser.error(f"{flag} {value}: must be >= 1")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     spec = TokenizerSpec(args.tokenizer_type, args.tokenizer_model, args.vocab_file,
                          args.merge_file, args.whitespace_encoding)
-    summary = preprocess(
-        args.input,
-        args.output_prefix,
-        spec,
-        json_keys=args.json_keys,
-        append_eod=args.append_eod,
-        workers=args.workers,
-        extensions=args.extensions,
-        language_tag=args.language_tag,
-        skip_bad_lines=args.skip_bad_lines,
-        log_interval=args.log_interval,
-    )
+    try:
+        summary = preprocess(
+            args.input,
+            args.output_prefix,
+            spec,
+            json_keys=args.json_keys,
+            append_eod=args.append_eod,
+            workers=args.workers,
+            extensions=args.extensions,
+            language_tag=args.language_tag,
+            skip_bad_lines=args.skip_bad_lines,
+            log_interval=args.log_interval,
+        )
+    except (CorpusError, TokenizerError, IndexedDatasetError, OSError) as e:  # bad input, unwritable output
+        sys.exit(f"preprocess_data.py: error: {' '.join(str(e).split())}")
     print(summary)
 
 

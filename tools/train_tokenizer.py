@@ -15,6 +15,9 @@ Train on your own code (directories searched recursively by extension; JSON line
 
     python tools/train_tokenizer.py --input src/ data/code.jsonl.gz --extensions .py .c \\
         --json-key content --vocab-size 50304 --output my_tokenizer.json
+
+Bad input (a missing file, a malformed JSON line, a bad flag value) ends with one
+`train_tokenizer.py: error: ...` line and a non-zero exit.
 """
 
 import argparse
@@ -27,7 +30,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from codegeex_train.data.corpus import CorpusStats, iter_documents
+from codegeex_train.data.corpus import CorpusError, CorpusStats, iter_documents
 from codegeex_train.data.default_corpus import default_corpus_files
 from codegeex_train.data.tokenizer import EOD_TOKEN
 from codegeex_train.data.whitespace import (
@@ -98,7 +101,12 @@ def train_bpe_tokenizer(
 
     tokenizer.train_from_iterator(documents(), trainer=trainer)
     Path(output_path).parent.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(output_path)
+    try:
+        tokenizer.save(output_path)
+    except Exception as e:
+        if type(e) is not Exception:  # `tokenizers` reports a failed write as a bare Exception
+            raise
+        raise OSError(f"cannot write {output_path}: {e}") from None
     return TrainSummary(
         vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
         documents=stats.documents,
@@ -126,23 +134,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="whitespace tokens for runs of 2..N spaces")
     add("--no-whitespace-tokens", action="store_true", help="plain BPE, no whitespace tokens")
     add("--skip-bad-lines", action="store_true", help="skip (and count) bad JSON lines")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.max_whitespace_run < 2:
+        parser.error(f"--max-whitespace-run {args.max_whitespace_run}: runs start at 2 spaces, so at least 2")
+    if args.min_frequency < 0:
+        parser.error(f"--min-frequency {args.min_frequency}: must be >= 0")
+    # Every byte is a token from the start, and the special tokens count too: fewer ids cannot be had.
+    special = 1 + (0 if args.no_whitespace_tokens else len(whitespace_tokens(args.max_whitespace_run)))
+    if args.vocab_size < 256 + special:
+        parser.error(f"--vocab-size {args.vocab_size}: at least {256 + special} (256 byte tokens and "
+                     f"{special} special tokens)")
+    if os.path.isdir(args.output):
+        parser.error(f"--output {args.output} is a directory; name the tokenizer.json file to write")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     inputs = [str(p) for p in default_corpus_files()] if args.default_corpus else args.input
     print(f"training a BPE (vocab {args.vocab_size}) on {len(inputs)} inputs", file=sys.stderr)
-    summary = train_bpe_tokenizer(
-        inputs,
-        args.vocab_size,
-        args.output,
-        json_keys=(args.json_key,),
-        extensions=tuple(args.extensions),
-        whitespace_tokens_max_run=None if args.no_whitespace_tokens else args.max_whitespace_run,
-        min_frequency=args.min_frequency,
-        skip_bad_lines=args.skip_bad_lines,
-    )
+    try:
+        summary = train_bpe_tokenizer(
+            inputs,
+            args.vocab_size,
+            args.output,
+            json_keys=(args.json_key,),
+            extensions=tuple(args.extensions),
+            whitespace_tokens_max_run=None if args.no_whitespace_tokens else args.max_whitespace_run,
+            min_frequency=args.min_frequency,
+            skip_bad_lines=args.skip_bad_lines,
+        )
+    except (CorpusError, OSError) as e:  # bad or unreadable input, unwritable output
+        sys.exit(f"train_tokenizer.py: error: {' '.join(str(e).split())}")
     print(
         f"wrote {summary.output_path}: vocab size {summary.vocab_size}, "
         f"{summary.file_bytes / 1e6:.2f} MB; trained on {summary.documents} documents "

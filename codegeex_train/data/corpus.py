@@ -139,16 +139,22 @@ def _iter_json_lines(path: Path, key: str, skip: bool, stats: CorpusStats) -> It
 
 
 def _iter_parquet(path: Path, key: str, skip: bool, stats: CorpusStats) -> Iterator[str]:
+    import pyarrow  # a dependency of datasets
+
     datasets = offline_datasets()
-    rows = datasets.load_dataset("parquet", data_files=str(path), split="train", streaming=True)
-    if rows.column_names is not None and key not in rows.column_names:
-        raise CorpusError(f"{path}: no column {key!r} (columns: {', '.join(rows.column_names)})")
-    for row_number, row in enumerate(rows, start=1):
-        text = _field(row, key)
-        if text is None:
-            _bad(f"{path}: row {row_number}: column {key!r} is not a string", skip, stats)
-            continue
-        yield text
+    row_number = 0
+    try:
+        rows = datasets.load_dataset("parquet", data_files=str(path), split="train", streaming=True)
+        if rows.column_names is not None and key not in rows.column_names:
+            raise CorpusError(f"{path}: no column {key!r} (columns: {', '.join(rows.column_names)})")
+        for row_number, row in enumerate(rows, start=1):
+            text = _field(row, key)
+            if text is None:
+                _bad(f"{path}: row {row_number}: column {key!r} is not a string", skip, stats)
+                continue
+            yield text
+    except pyarrow.ArrowException as e:  # not parquet, truncated, corrupt
+        raise CorpusError(f"{path}: cannot read past row {row_number} as parquet: {e}") from e
 
 
 def _read_whole(path: Path, skip: bool, stats: CorpusStats) -> str | None:

@@ -17,7 +17,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import numpy as np
 from tqdm import tqdm
 
-from codegeex_train.data.corpus import iter_documents
+from codegeex_train.data.corpus import CorpusError, iter_documents
 from codegeex_train.data.default_corpus import default_corpus_files
 from codegeex_train.data.indexed_dataset import IndexedDatasetBuilder, best_dtype
 from codegeex_train.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer, build_tokenizer
@@ -104,7 +104,7 @@ def resolve_inputs(inputs: Sequence[str]) -> list[str]:
     if not inputs or list(inputs) == [DEFAULT_INPUT]:
         return [str(p) for p in default_corpus_files()]
     if DEFAULT_INPUT in inputs:
-        raise ValueError(f"--input {DEFAULT_INPUT} cannot be combined with other inputs")
+        raise CorpusError(f"--input {DEFAULT_INPUT} cannot be combined with other inputs")
     return list(inputs)
 
 

@@ -87,6 +87,9 @@ def build_pretraining_data_loader(
         dp_rank,
         dp_size,
     )
+    # Its own generator: creating an iterator draws a base seed for the workers, and drawing it from the default
+    # generator would shift the stream that dropout uses (a resume creates its iterators at another point).
     return torch.utils.data.DataLoader(
-        dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=False
+        dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=False,
+        generator=torch.Generator().manual_seed(0),
     )

@@ -29,6 +29,10 @@ TOKENIZER_TYPES = ("HFTokenizer", "GPT2BPETokenizer", "SentencePieceTokenizer")
 DEFAULT_TOKENIZER_PATH = str(Path(__file__).parent / "assets" / "default_tokenizer.json")
 
 
+class TokenizerError(ValueError):
+    """A tokenizer that cannot be built from the flags given; the message names the flag and file."""
+
+
 class Tokenizer(abc.ABC):
     """What the data pipeline needs from a tokenizer."""
 
@@ -113,7 +117,7 @@ class SentencePieceTokenizer(Tokenizer):
         if eod < 0:
             eod = self._sp.piece_to_id(EOD_TOKEN)
             if eod == self._sp.unk_id():
-                raise ValueError(f"SentencePiece model {model_file}: no eos and no {EOD_TOKEN}")
+                raise TokenizerError(f"SentencePiece model {model_file}: no eos and no {EOD_TOKEN}")
         self.eod = eod
 
     def add_tokens(self, tokens: list[str]) -> list[int]:
@@ -190,10 +194,27 @@ class WhitespaceEncodingTokenizer(Tokenizer):
 
 def _require_file(path: str | None, flag: str, tokenizer_type: str) -> str:
     if path is None:
-        raise ValueError(f"--tokenizer-type {tokenizer_type} needs {flag}")
+        raise TokenizerError(f"--tokenizer-type {tokenizer_type} needs {flag}")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{flag} {path}: no such file (tokenizer type {tokenizer_type})")
     return path
+
+
+def _load(what: str, load, *args) -> Tokenizer:
+    """Run a tokenizer library's loader on user files; what it raises for a malformed, truncated or
+    unreadable file (the Rust ``tokenizers`` a bare Exception, sentencepiece RuntimeError / OSError)
+    becomes one TokenizerError naming ``what`` (the flags and files)."""
+    try:
+        return load(*args)
+    except ImportError as e:  # sentencepiece is optional
+        raise TokenizerError(f"{what}: needs the {e.name} package (pip install {e.name})") from None
+    except (RuntimeError, OSError) as e:
+        reason = e
+    except Exception as e:
+        if type(e) is not Exception:  # only the bare Exception of `tokenizers` means a rejected file
+            raise
+        reason = e
+    raise TokenizerError(f"{what}: cannot load it: {' '.join(str(reason).split())}")
 
 
 def build_tokenizer(
@@ -207,16 +228,17 @@ def build_tokenizer(
     """Build a tokenizer from Megatron-style flags; errors name the flag to fix."""
     if tokenizer_type == "HFTokenizer":
         path = _require_file(tokenizer_model, "--tokenizer-model", tokenizer_type)
-        tokenizer: Tokenizer = HFTokenizer.from_file(path)
+        tokenizer: Tokenizer = _load(f"--tokenizer-model {path}", HFTokenizer.from_file, path)
     elif tokenizer_type == "GPT2BPETokenizer":
         vocab = _require_file(vocab_file, "--vocab-file", tokenizer_type)
         merges = _require_file(merge_file, "--merge-file", tokenizer_type)
-        tokenizer = HFTokenizer.from_gpt2_files(vocab, merges)
+        tokenizer = _load(f"--vocab-file {vocab} / --merge-file {merges}", HFTokenizer.from_gpt2_files, vocab,
+                          merges)
     elif tokenizer_type == "SentencePieceTokenizer":
         path = _require_file(tokenizer_model, "--tokenizer-model", tokenizer_type)
-        tokenizer = SentencePieceTokenizer(path)
+        tokenizer = _load(f"--tokenizer-model {path}", SentencePieceTokenizer, path)
     else:
-        raise ValueError(
+        raise TokenizerError(
             f"unknown --tokenizer-type {tokenizer_type!r}; valid: {', '.join(TOKENIZER_TYPES)}"
         )
     if whitespace_encoding:

@@ -6,7 +6,8 @@
          "codegeex_train": {"model_config": asdict(config), "tp_size", "pp_size", "iteration"}}
 
 ``latest`` is written last and atomically (temp file + os.replace): a crash mid-save leaves the previous
-``latest`` pointing at the previous, complete tag.
+``latest`` pointing at the previous, complete tag. Every file is read with weights-only unpickling
+(``codegeex_train/safe_load.py``): a file whose pickle would run code is refused, naming the file.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from ..safe_load import CheckpointError, safe_torch_load
 from .config import ModelConfig
 from .sharding import merge_state_dicts
 
@@ -27,10 +29,6 @@ SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_
                 "padded_vocab_size", "top_query_layer")
 # Fields that change the function but not the shapes: a mismatch only warns (e.g. fine-tuning choices).
 FUNCTION_FIELDS = ("activation", "layernorm_epsilon")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that is missing or does not fit this run; the message names both sides."""
 
 
 def shard_file(directory: str | os.PathLike, tag: str, tp_rank: int, tp_size: int, pp_rank: int = 0) -> Path:
@@ -48,7 +46,10 @@ def read_latest(directory: str | os.PathLike) -> str:
     if not path.is_file():
         raise CheckpointError(f"no checkpoint in {directory}: {path} does not exist (it names the tag to load; "
                               f"a save writes it last, so its absence also means no save completed)")
-    return path.read_text().strip()
+    tag = path.read_text().strip()
+    if not tag or "/" in tag or os.sep in tag or tag in (".", ".."):  # a tag names a directory inside DIR
+        raise CheckpointError(f"{path} holds {tag!r}, not a checkpoint tag (such as iter_0000100)")
+    return tag
 
 
 def save_model_checkpoint(directory: str | os.PathLike, shard_sds: list[dict], config: ModelConfig, tp_size: int,
@@ -74,8 +75,20 @@ def _shape_fields(config: ModelConfig) -> dict:
 
 
 def _load(path: Path, mmap: bool = False) -> dict:
-    # weights_only=False: files DeepSpeed writes also hold its own (trusted, local) non-tensor objects.
-    return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+    """A model file, weights-only (refused if its pickle needs more), checked to hold our layout."""
+    state = safe_torch_load(path, mmap=mmap)
+    meta = state.get(META_KEY) if isinstance(state, dict) else None
+    if not isinstance(meta, dict) or not isinstance(state.get("module"), dict):
+        raise CheckpointError(f"{path} is not a codegeex_train model file: it lacks the 'module' state dict or "
+                              f"the {META_KEY!r} metadata (convert other checkpoints with tools/convert_checkpoint.py)")
+    try:
+        if not all(isinstance(meta[k], int) and meta[k] >= (k != "iteration") for k in ("tp_size", "pp_size",
+                                                                                         "iteration")):
+            raise TypeError("tp_size, pp_size >= 1 and iteration >= 0 must be integers")
+        ModelConfig(**meta["model_config"]).validate(meta["tp_size"])  # as it was when saved
+    except (KeyError, TypeError, ValueError) as e:  # ValueError: ModelConfigError
+        raise CheckpointError(f"{path}: unreadable {META_KEY!r} metadata ({e})") from None
+    return state
 
 
 def read_checkpoint_meta(directory: str | os.PathLike) -> tuple[str, dict]:

@@ -20,11 +20,14 @@ from ..model.checkpoint import (
     SHAPE_FIELDS,
     CheckpointError,
     read_checkpoint_meta,
+    read_latest,
     write_latest,
 )
 from ..model.config import ModelConfig
+from ..safe_load import verify_checkpoint_dir
 from ..tensor_parallel import RNGStatesTracker
 from ..topology import ParallelDims, Topology
+from .universal import is_universal, read_universal_meta
 
 
 @dataclass
@@ -46,29 +49,44 @@ def _shape(config: ModelConfig | dict) -> dict:
     return {k: get(k) for k in SHAPE_FIELDS}
 
 
-def _describe(shape: dict) -> str:
-    return ", ".join(f"{k}={v}" for k, v in shape.items())
+_TO_UNIVERSAL = ("to resume at another layout, convert it first: python tools/convert_checkpoint.py --load {d} "
+                 "--to-universal OUT, then --load OUT")
+
+
+def _check_same_model(load_dir: str, tag: str, stored: ModelConfig, config: ModelConfig) -> None:
+    ours, theirs = _shape(config), _shape(stored)
+    if ours != theirs:
+        diff = "; ".join(f"{k}: checkpoint {theirs[k]}, this run {ours[k]}" for k in ours if ours[k] != theirs[k])
+        raise ConfigError(f"--load {load_dir} ({tag}) was saved from a different model ({diff}): use the same "
+                          f"model flags")
 
 
 def preflight_load(load_dir: str, config: ModelConfig, dims: ParallelDims) -> dict:
-    """Check ``--load`` before any process group: it holds a complete checkpoint of this model shape and
-    TP/PP sizes. Returns its metadata."""
+    """Check ``--load`` before any process group: a complete checkpoint of this model shape, saved at this
+    run's TP / PP / DP sizes, or a universal one (any layout). Returns its metadata (``universal``: which)."""
     try:
+        tag = read_latest(load_dir)
+        verify_checkpoint_dir(load_dir, tag)  # weights-only, before DeepSpeed unpickles any of its files
+        if is_universal(load_dir, tag):
+            meta = read_universal_meta(load_dir, tag)
+            _check_same_model(load_dir, tag, ModelConfig(**meta["model_config"]), config)
+            return {"tag": tag, "universal": True, **meta}
         tag, meta = read_checkpoint_meta(load_dir)
     except CheckpointError as e:
         raise ConfigError(f"--load {load_dir}: {e}") from None
-    stored = ModelConfig(**meta["model_config"])
-    ours, theirs = _shape(config), _shape(stored)
-    theirs_sizes, ours_sizes = (meta["tp_size"], meta["pp_size"]), (dims.tp_size, dims.pp_size)
-    if ours != theirs or ours_sizes != theirs_sizes:
-        theirs, ours = {**theirs, "tp": theirs_sizes[0], "pp": theirs_sizes[1]}, {**ours, "tp": ours_sizes[0],
-                                                                                   "pp": ours_sizes[1]}
-        diff = "; ".join(f"{k}: checkpoint {theirs[k]}, this run {ours[k]}" for k in ours if ours[k] != theirs[k])
-        raise ConfigError(
-            f"--load {load_dir} ({tag}) was saved from a different model or parallel layout ({diff}). "
-            f"Checkpoint: {_describe(theirs)}. This run: {_describe(ours)}. Use the same model flags, TP and PP "
-            f"sizes (tools/convert_checkpoint.py re-shards model weights to another TP and PP size)")
-    return {"tag": tag, **meta}
+    _check_same_model(load_dir, tag, ModelConfig(**meta["model_config"]), config)
+    saved = {"TP": meta["tp_size"], "PP": meta["pp_size"]}
+    if has_optimizer_states(load_dir, tag):  # ZeRO partitions the optimizer state by DP rank as well
+        saved["DP"] = sum(name.startswith(("zero_pp_rank_", "bf16_zero_pp_rank_")) and "_mp_rank_00_" in name
+                          for name in os.listdir(os.path.join(load_dir, tag)))
+    ours = {"TP": dims.tp_size, "PP": dims.pp_size, "DP": dims.dp_size}
+    diff = [k for k in saved if saved[k] != ours[k]]
+    if diff:
+        layout = ", ".join(f"{k} {saved[k]} (this run {ours[k]})" for k in diff)
+        hint = _TO_UNIVERSAL.format(d=load_dir) if "DP" in saved else (
+            "tools/convert_checkpoint.py re-shards these model weights to another TP and PP size")
+        raise ConfigError(f"--load {load_dir} ({tag}) was saved at another parallel layout: {layout}; {hint}")
+    return {"tag": tag, "universal": False, **meta}
 
 
 def rng_state(tracker: RNGStatesTracker) -> dict:

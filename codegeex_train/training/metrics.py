@@ -1,8 +1,9 @@
 """Metrics are data: one record (a flat dict) per logged step, sent to interchangeable sinks.
 
 A record holds ``iteration``, an optional ``split`` ("train" default, "valid", "test") and plain numbers.
-Train records use the names ``consumed_samples lr loss grad_norm loss_scale iteration_time_ms
-tokens_per_s tflops_per_device mfu memory_gb``; eval records ``{split}_loss {split}_ppl``. Any other key
+Train records use the names ``consumed_samples lr loss grad_norm loss_scale skipped_iterations
+iteration_time_ms tokens_per_s tflops_per_device mfu memory_gb`` (``skipped_iterations``: optimizer steps that
+DeepSpeed skipped in the log interval, fp16 overflows); eval records ``{split}_loss {split}_ppl``. Any other key
 is carried through every sink too. Sinks:
 
 - console: one Megatron-style line per record (only the keys present);
@@ -13,6 +14,11 @@ is carried through every sink too. Sinks:
 
 Only the logging rank (the last pipeline stage's first rank: it holds the loss) writes anything; every
 other rank builds a ``MetricsLogger(enabled=False)`` so the trainer calls it unconditionally.
+
+Credentials never reach a sink: the value of every environment variable whose name looks like a credential
+(``*KEY*``, ``*TOKEN*``, ``*SECRET*``, ``*PASSWORD*``, ...; values of 8+ characters) is replaced by
+``<redacted>`` wherever it appears in a record, the run config or the wandb run name (e.g. a token pasted
+into a path on the command line), and wandb records no command line when one of them is in ``sys.argv``.
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, TextIO
 
@@ -33,7 +41,38 @@ if TYPE_CHECKING:
     from ..arguments import LoggingConfig
 
 __all__ = ["MetricsLogger", "ConsoleSink", "JsonlSink", "WandbSink", "format_record", "plain_record",
-           "throughput_record", "memory_gb", "read_offline_wandb_history"]
+           "throughput_record", "memory_gb", "read_offline_wandb_history", "secret_values", "redact_secrets"]
+
+# Environment variable names that hold credentials (WANDB_API_KEY, HF_TOKEN, AWS_SECRET_ACCESS_KEY,
+# MLFLOW_TRACKING_PASSWORD, GITHUB_PAT, ...).
+_CREDENTIAL_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL|AUTH|COOKIE|PRIVATE|_PAT$", re.IGNORECASE)
+_MIN_SECRET_LENGTH = 8  # shorter values ("1", "true", "offline") would redact ordinary words
+REDACTED = "<redacted>"
+
+
+def secret_values(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """The values of the credential-like variables in ``environ`` (default: this process's), longest first."""
+    environ = os.environ if environ is None else environ
+    found = {v for k, v in environ.items() if _CREDENTIAL_NAME.search(k) and len(v) >= _MIN_SECRET_LENGTH}
+    return tuple(sorted(found, key=len, reverse=True))
+
+
+def redact_secrets(value, secrets: tuple[str, ...] | None = None):
+    """``value`` (a string, or dicts / lists / tuples of them, keys included) with every secret replaced by
+    ``<redacted>``; other values unchanged."""
+    secrets = secret_values() if secrets is None else secrets
+    if not secrets:
+        return value
+    if isinstance(value, str):
+        for secret in secrets:
+            if secret in value:
+                value = value.replace(secret, REDACTED)
+        return value
+    if isinstance(value, dict):
+        return {redact_secrets(k, secrets): redact_secrets(v, secrets) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(redact_secrets(v, secrets) for v in value)
+    return value
 
 
 def throughput_record(iteration_time_s: float, tokens_per_iteration: int, flops_per_iteration: float,
@@ -95,6 +134,7 @@ _FIELDS = (
     ("ppl", "ppl", "{:.4E}".format),
     ("grad_norm", "grad norm", "{:.3f}".format),
     ("loss_scale", "loss scale", "{:.1f}".format),
+    ("skipped_iterations", "skipped iterations", "{:d}".format),
     ("iteration_time_ms", "iter time (ms)", "{:.1f}".format),
     ("tokens_per_s", "tokens/s", "{:.0f}".format),
     ("tflops_per_device", "TFLOP/s/device", "{:.2f}".format),
@@ -183,12 +223,14 @@ class MetricsLogger:
         self._bar: tqdm | None = None
         if not enabled:
             return
+        self._secrets = secret_values()
+        run_config = redact_secrets(run_config, self._secrets)
         self.sinks.append(ConsoleSink(train_iters))
         metrics_file = cfg.metrics_file or (os.path.join(save_dir, "metrics.jsonl") if save_dir else None)
         if metrics_file:
             self.sinks.append(JsonlSink(metrics_file))
         if cfg.wandb_project:
-            self.wandb = WandbSink(project=cfg.wandb_project, name=cfg.wandb_name,
+            self.wandb = WandbSink(project=cfg.wandb_project, name=redact_secrets(cfg.wandb_name, self._secrets),
                                    directory=cfg.wandb_dir or save_dir or os.getcwd(), run_config=run_config,
                                    run_id=resume_wandb_id, init_timeout=wandb_init_timeout)
             self.sinks.append(self.wandb)
@@ -206,7 +248,7 @@ class MetricsLogger:
         """Send one record (needs ``iteration``; values may be tensors or numpy scalars) to every sink."""
         if not self.enabled:
             return
-        record = plain_record(record)
+        record = redact_secrets(plain_record(record), self._secrets)
         for sink in self.sinks:
             sink.write(record)
         if self._bar is not None and record["split"] == "train" and record.get("loss") is not None:
@@ -217,8 +259,8 @@ class MetricsLogger:
         its run config); not printed, not a metric."""
         if not self.enabled:
             return
-        record = {"iteration": int(record["iteration"]), "split": "metadata",
-                  **{k: v for k, v in record.items() if k != "iteration"}}
+        record = redact_secrets({"iteration": int(record["iteration"]), "split": "metadata",
+                                 **{k: v for k, v in record.items() if k != "iteration"}}, self._secrets)
         for sink in self.sinks:
             if isinstance(sink, JsonlSink):
                 sink.write(record)

@@ -4,6 +4,8 @@ clip, step, LR) -> metrics, eval and checkpoints. PP = 1 runs the same loop with
 from __future__ import annotations
 
 import math
+import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Iterator
@@ -23,8 +25,8 @@ from ..pipeline import (
 from ..tensor_parallel import RNGStatesTracker
 from ..topology import Topology
 from .checkpointing import TrainState, checkpoint_tag, save_checkpoint
-from .exit_conditions import ExitConditions
-from .metrics import memory_gb, throughput_record
+from .exit_conditions import ExitConditions, NumericalHealth, NumericalHealthError
+from .metrics import memory_gb, redact_secrets, throughput_record
 from .stage import EngineStage
 
 
@@ -102,7 +104,8 @@ def _log_eval(run: Run, state: TrainState, split: str, loss: float) -> None:
                     f"{split}_ppl": math.exp(min(loss, 50.0))})
 
 
-def _train_record(run: Run, state: TrainState, loss: torch.Tensor, seconds_per_iteration: float) -> dict:
+def _train_record(run: Run, state: TrainState, loss: torch.Tensor, seconds_per_iteration: float,
+                  skipped_iterations: int = 0) -> dict:
     engine, plan = run.engine, run.plan
     grad_norm = engine.get_global_grad_norm()
     optimizer = engine.optimizer
@@ -113,10 +116,84 @@ def _train_record(run: Run, state: TrainState, loss: torch.Tensor, seconds_per_i
         "loss": dp_mean(loss, run.topology),
         "grad_norm": float(grad_norm) if grad_norm is not None else None,
         "loss_scale": float(getattr(optimizer, "cur_scale", getattr(optimizer, "loss_scale", 1.0))),
+        "skipped_iterations": skipped_iterations,  # steps DeepSpeed skipped (fp16 overflow) in this log interval
         **throughput_record(seconds_per_iteration, plan.global_batch_size * run.args.train.seq_length,
                             run.flops_per_iteration, plan.dims.world_size, run.peak_flops_per_device),
         "memory_gb": memory_gb(run.device),
     }
+
+
+def _numerical_health(run: Run) -> NumericalHealth:
+    t = run.args.train
+    # fp16: a non-finite gradient norm is an overflow, which DeepSpeed skips (counted, limited), not an error.
+    return NumericalHealth(every_iteration=t.check_for_nan_in_loss_and_grad, check_grad_norm=not t.fp16,
+                           max_consecutive_skipped=t.max_consecutive_skipped_iterations,
+                           skipped_steps=getattr(run.engine, "skipped_steps", 0), device=run.device)
+
+
+def _health_error(run: Run, iteration: int, problem: str) -> NumericalHealthError:
+    """The one message (printed by rank 0) naming the iteration and the last good checkpoint."""
+    t = run.args.train
+    latest = os.path.join(t.save, "latest") if t.save else None
+    if latest and os.path.isfile(latest):
+        with open(latest) as f:
+            last_good = f"{f.read().strip()} in {t.save} (relaunch with --load {t.save} to resume from it)"
+    else:
+        last_good = f"none ({t.save} has no 'latest')" if t.save else "none (no --save)"
+    message = redact_secrets(f"{problem}; stopped at iteration {iteration} without saving it. Last good checkpoint: "
+                             f"{last_good}")
+    if run.topology.rank == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    return NumericalHealthError(message)
+
+
+def _checked_train_step(run: Run, batches, health: NumericalHealth, iteration: int, inject) -> torch.Tensor:
+    """``train_step``, with DeepSpeed's own give-up (fp16 loss scale at its minimum, raised on every rank alike)
+    turned into the same clear error, and the test-only injection."""
+    hook = run.engine.module.register_forward_hook(inject[0]) if inject and inject[1](iteration) else None
+    try:
+        return train_step(run, batches)
+    except Exception as error:
+        if "loss scale already at minimum" not in str(error):
+            raise
+        raise _health_error(run, iteration, f"{health.consecutive_skipped + 1} consecutive iterations were "
+                            f"skipped by fp16 dynamic loss scaling and the loss scale is at its minimum "
+                            f"(fp16.min_loss_scale): the gradients overflow at every loss scale") from None
+    finally:
+        if hook is not None:
+            hook.remove()
+
+
+# Tests only: make chosen iterations' numbers bad through a forward hook on the model. "nan-loss@5" multiplies
+# the model's output by NaN at iteration 5 (NaN loss and gradients); "inf-grad@3,7-" keeps the loss finite and
+# multiplies the output's gradient by Inf at iteration 3 and from 7 on.
+TEST_INJECT_ENV = "CODEGEEX_TRAIN_TEST_INJECT"
+
+
+def _nan_output(module, inputs, output):
+    return output * float("nan")
+
+
+def _inf_grad_output(module, inputs, output):
+    if output.requires_grad:
+        output.register_hook(lambda grad: grad * float("inf"))
+    return output
+
+
+def _test_injection(spec: str | None):
+    """(forward hook, iteration -> bool) from ``TEST_INJECT_ENV``, or None."""
+    if not spec:
+        return None
+    kind, _, iterations = spec.partition("@")
+    hooks = {"nan-loss": _nan_output, "inf-grad": _inf_grad_output}
+    try:
+        singles = {int(p) for p in iterations.split(",") if not p.endswith("-")}
+        starts = [int(p[:-1]) for p in iterations.split(",") if p.endswith("-")]
+        hook = hooks[kind]
+    except (KeyError, ValueError):
+        raise ValueError(f"{TEST_INJECT_ENV}={spec!r}: expected nan-loss@ITERATIONS or inf-grad@ITERATIONS "
+                         f"(e.g. 5 or 3,7-)") from None
+    return hook, lambda it: it in singles or any(it >= s for s in starts)
 
 
 def train(run: Run, state: TrainState, train_loader, valid_loader=None, test_loader=None) -> TrainState:
@@ -125,27 +202,43 @@ def train(run: Run, state: TrainState, train_loader, valid_loader=None, test_loa
     start_iteration = state.iteration
     step_seconds, interval_iters = 0.0, 0  # time in training steps only, not eval or saving
     loss_sum = torch.zeros((), device=run.device)
+    health = _numerical_health(run)
+    exits = run.exit_conditions or ExitConditions(signal_handler=False, duration_mins=None, start_time=time.time(),
+                                                  device=run.device)
+    inject = _test_injection(os.environ.get(TEST_INJECT_ENV))
     while state.iteration < t.train_iters:
         step_start = time.perf_counter()
-        loss_sum += train_step(run, batches)
+        loss = _checked_train_step(run, batches, health, state.iteration + 1, inject)
+        loss_sum += loss
         state.iteration += 1
         state.consumed_train_samples += run.plan.global_batch_size
         interval_iters += 1
         run.logger.advance(state.iteration)
-        stop_reason = run.exit_conditions.check() if run.exit_conditions else None  # the same on every rank
-        last = stop_reason is not None or state.iteration == t.train_iters or (
+        health.observe(state.iteration, loss, run.engine.get_global_grad_norm(),
+                       getattr(run.engine, "skipped_steps", 0))
+        scheduled_last = state.iteration == t.train_iters or (
             t.exit_interval is not None and state.iteration - start_iteration >= t.exit_interval)
+        # Iterations that log or save are always checked, whatever --check-for-nan-in-loss-and-grad says.
+        saves_on_schedule = bool(t.save and t.save_interval and state.iteration % t.save_interval == 0)
+        due = (scheduled_last or saves_on_schedule or state.iteration % log_interval == 0
+               or state.iteration == start_iteration + 1 or health.too_many_skipped)
+        stop_reason = exits.check(health, due=due)  # the same on every rank
+        last = stop_reason is not None or scheduled_last
+        failed = health.problem is not None  # the same on every rank: logged below, then raised, never saved
 
         # A run's first iteration is always logged: its loss is the sanity check of a (re)start.
-        if state.iteration % log_interval == 0 or last or state.iteration == start_iteration + 1:
+        if state.iteration % log_interval == 0 or last or failed or state.iteration == start_iteration + 1:
             if run.device.type == "cuda":
                 torch.cuda.synchronize(run.device)  # honest timing: wait for queued kernels
             step_seconds += time.perf_counter() - step_start
-            run.logger.log(_train_record(run, state, loss_sum / interval_iters, step_seconds / interval_iters))
+            run.logger.log(_train_record(run, state, loss_sum / interval_iters, step_seconds / interval_iters,
+                                         health.take_skipped_in_interval()))
             loss_sum.zero_()
             step_seconds, interval_iters = 0.0, 0
         else:
             step_seconds += time.perf_counter() - step_start
+        if failed:
+            raise _health_error(run, state.iteration, health.problem)
         if (valid_loader is not None and t.eval_interval and state.iteration % t.eval_interval == 0
                 and stop_reason is None):  # preempted: the grace period is for the checkpoint
             _log_eval(run, state, "valid", evaluate(run, valid_loader))

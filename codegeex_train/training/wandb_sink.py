@@ -14,6 +14,7 @@ import os
 import secrets
 import string
 import struct
+import sys
 import zlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -68,20 +69,30 @@ class WandbSink:
                  environ: Mapping[str, str] = os.environ) -> None:
         import wandb  # imported here: ranks that never log don't pay wandb's import time
 
+        from .metrics import redact_secrets, secret_values  # (metrics imports this module)
+
         self._wandb = wandb
         Path(directory).mkdir(parents=True, exist_ok=True)
-        kwargs = dict(project=project, name=name, dir=directory, id=run_id or new_run_id(), resume="allow",
-                      config=run_config)
+        secrets = secret_values(environ)
+        kwargs = dict(project=project, name=redact_secrets(name, secrets), dir=directory, id=run_id or new_run_id(),
+                      resume="allow", config=redact_secrets(run_config, secrets))
+        # wandb stores the command line (and host, git state, ...) as run metadata; a credential's value on the
+        # command line turns that record off.
+        leaky_argv = any(secret in arg for secret in secrets for arg in sys.argv)
+        if leaky_argv:
+            logger.warning("a credential from the environment appears on the command line: wandb will not record "
+                           "the run's metadata (command line, host, git state)")
         mode = choose_wandb_mode(environ)
         try:
-            self.run = wandb.init(mode=mode, settings=wandb.Settings(init_timeout=init_timeout), **kwargs)
+            self.run = wandb.init(mode=mode, settings=wandb.Settings(init_timeout=init_timeout,
+                                                                     x_disable_meta=leaky_argv), **kwargs)
         except Exception as error:  # CommError (no network), UsageError (no key), AuthenticationError, ...
             if mode == "offline":
                 raise
-            logger.warning("wandb.init failed (%s: %s); logging offline to %s",
-                           type(error).__name__, str(error).splitlines()[0] if str(error) else "", directory)
+            logger.warning("wandb.init failed (%s: %s); logging offline to %s", type(error).__name__,
+                           redact_secrets(str(error).splitlines()[0] if str(error) else "", secrets), directory)
             wandb.teardown()  # the failed init still holds the run id in wandb's service ("run ID is in use")
-            self.run = wandb.init(mode="offline", **kwargs)
+            self.run = wandb.init(mode="offline", settings=wandb.Settings(x_disable_meta=leaky_argv), **kwargs)
 
     @property
     def run_id(self) -> str:

@@ -2,25 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 from model_helpers import S, hf_batch
 
 from codegeex_train.model import config_from_hf_gpt2
-
-_TOOL = Path(__file__).resolve().parents[2] / "tools" / "convert_checkpoint.py"
+from codegeex_train.testing import load_tool
 
 
 @pytest.fixture(scope="session")
 def convert():
-    """tools/convert_checkpoint.py as a module (tools/ is not a package), to call its main()."""
-    spec = importlib.util.spec_from_file_location("convert_checkpoint", _TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """tools/convert_checkpoint.py as a module, to call its main()."""
+    return load_tool("convert_checkpoint")
 
 
 @pytest.fixture(scope="session")

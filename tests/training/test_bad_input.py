@@ -82,7 +82,14 @@ def test_load_of_another_shape_names_both(capsys, tiny_data, tmp_path):
     full = CodeGeeXModel(config, None, None).state_dict()
     save_model_checkpoint(tmp_path / "ck", split_state_dict(full, config, 2), config, 2)
     fails_with(capsys, MODEL + ["--data-path", tiny_data, "--load", str(tmp_path / "ck")],
-               "hidden_size: checkpoint 64, this run 32", "tp: checkpoint 2, this run 1")
+               "hidden_size: checkpoint 64, this run 32")
+    # The same shape at another TP size: model weights only, so the hint is the re-sharding tool.
+    config = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, max_position_embeddings=64,
+                         vocab_size=8192)
+    full = CodeGeeXModel(config, None, None).state_dict()
+    save_model_checkpoint(tmp_path / "ck32", split_state_dict(full, config, 2), config, 2)
+    fails_with(capsys, MODEL + ["--data-path", tiny_data, "--load", str(tmp_path / "ck32")],
+               "saved at another parallel layout: TP 2 (this run 1)", "re-shards")
 
 
 def test_load_pointing_at_nothing(capsys, tiny_data, tmp_path):

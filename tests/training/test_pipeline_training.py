@@ -11,7 +11,7 @@ import torch
 from codegeex_train import pretrain
 from codegeex_train.model.checkpoint import write_latest
 from codegeex_train.pipeline.shared_embedding import shared_embedding_weight
-from codegeex_train.testing import run_distributed
+from codegeex_train.testing import load_tool, run_distributed
 from codegeex_train.training import trainer
 
 from test_pretrain import records, tiny_args
@@ -116,24 +116,13 @@ def test_resume_at_pp2_is_exact(tmp_path, tiny_data):
         assert b[it]["consumed_samples"] == a[it]["consumed_samples"] == 8 * it
 
 
-def _convert_tool():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "tools" / "convert_checkpoint.py"
-    spec = importlib.util.spec_from_file_location("convert_checkpoint", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_converted_checkpoint_trains_alike_at_another_layout(tmp_path, tiny_data, baseline):
     # Weights trained at PP 2, re-sharded by tools/convert_checkpoint.py to PP 2 and to TP 2 x PP 1: both
     # continue identically (weights only: the optimizer state starts afresh, as with a Hugging Face import).
     trained = str(tmp_path / "trained")
     run_distributed(train_and_return_embedding, world_size=2, pp_size=2, deadline_s=600,
                     argv=pipeline_args(tiny_data, trained, 1, 2, 1, 5))
-    convert, runs = _convert_tool(), {}
+    convert, runs = load_tool("convert_checkpoint"), {}
     for tp, pp in [(1, 2), (2, 1)]:
         weights = str(tmp_path / f"weights_tp{tp}pp{pp}")
         convert.main(["--load", trained, "--save", weights, "--tensor-model-parallel-size", str(tp),

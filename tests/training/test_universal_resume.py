@@ -1,0 +1,67 @@
+"""Resume at another (TP, PP, DP): a ZeRO-2 training checkpoint converted to a universal one
+(`tools/convert_checkpoint.py --to-universal`) continues at any layout exactly as the uninterrupted run did:
+Adam moments and step, LR schedule, consumed samples and data order all come back."""
+
+import os
+import shutil
+
+import pytest
+from test_pretrain import records, run_pretrain, tiny_args
+
+from codegeex_train import pretrain
+from codegeex_train.model.checkpoint import write_latest
+from codegeex_train.testing import load_tool, run_distributed
+
+ITERS, SAVED_AT = 8, 4
+RESUME_LAYOUTS = [(1, 1, 1), (1, 1, 2), (2, 1, 1), (1, 2, 1)]  # (TP, PP, DP)
+
+
+def layout_args(data, save, tp, pp, *extra):
+    return tiny_args(data, str(save), ITERS, "--tensor-model-parallel-size", str(tp),
+                     "--pipeline-model-parallel-size", str(pp), "--save-interval", str(SAVED_AT), *extra)
+
+
+def checkpoint_at(full, out, iteration):
+    """A copy of run ``full`` whose ``latest`` names ``iteration`` (what a run stopped there would leave)."""
+    shutil.copytree(full, out)
+    os.remove(os.path.join(out, "metrics.jsonl"))
+    write_latest(out, f"iter_{iteration:07d}")
+    return str(out)
+
+
+@pytest.mark.parametrize("saved", [(2, 1, 2), (1, 2, 2)], ids=lambda layout: "saved_tp{}_pp{}_dp{}".format(*layout))
+def test_universal_checkpoint_resumes_at_any_layout(tmp_path, tiny_data, saved):
+    tp, pp, dp = saved
+    full = tmp_path / "full"
+    run_distributed(run_pretrain, world_size=tp * pp * dp, tp_size=tp, pp_size=pp, deadline_s=600,
+                    argv=layout_args(tiny_data, full, tp, pp))
+    reference = records(full)
+    at_save = checkpoint_at(full, tmp_path / "at_save", SAVED_AT)
+    universal = str(tmp_path / "universal")
+    load_tool("convert_checkpoint").main(["--load", at_save, "--to-universal", universal])
+
+    for tp2, pp2, dp2 in RESUME_LAYOUTS:
+        save = tmp_path / f"resumed_tp{tp2}_pp{pp2}_dp{dp2}"
+        run_distributed(run_pretrain, world_size=tp2 * pp2 * dp2, tp_size=tp2, pp_size=pp2, deadline_s=600,
+                        argv=layout_args(tiny_data, save, tp2, pp2, "--load", universal))
+        resumed = records(save)
+        assert sorted(resumed) == list(range(SAVED_AT + 1, ITERS + 1))
+        for it in resumed:
+            where = (saved, (tp2, pp2, dp2), it)
+            assert resumed[it]["consumed_samples"] == reference[it]["consumed_samples"], where
+            assert resumed[it]["lr"] == pytest.approx(reference[it]["lr"], rel=1e-12), where
+            assert resumed[it]["loss"] == pytest.approx(reference[it]["loss"], rel=1e-5), where
+            assert resumed[it]["grad_norm"] == pytest.approx(reference[it]["grad_norm"], rel=1e-5), where
+
+
+def test_layout_mismatch_without_conversion_names_the_fix(tmp_path, tiny_data, capsys, monkeypatch):
+    full = tmp_path / "full"
+    run_distributed(run_pretrain, world_size=2, tp_size=1, deadline_s=600,
+                    argv=tiny_args(tiny_data, str(full), 2, "--save-interval", "2"))
+    monkeypatch.setenv("WORLD_SIZE", "1")  # the same TP and PP, DP 1 instead of 2: ZeRO's partitions differ
+    with pytest.raises(SystemExit) as e:
+        pretrain.main(tiny_args(tiny_data, str(tmp_path / "resumed"), 4, "--load", str(full)))
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err
+    assert "saved at another parallel layout: DP 2 (this run 1)" in err and "--to-universal" in err
