@@ -26,6 +26,7 @@ from ..tensor_parallel import RNGStatesTracker
 from ..topology import Topology
 from .checkpointing import TrainState, checkpoint_tag, save_checkpoint
 from .exit_conditions import ExitConditions, NumericalHealth, NumericalHealthError
+from .fault_injection import TEST_INJECT_ENV, injection_from_spec
 from .metrics import memory_gb, redact_secrets, throughput_record
 from .stage import EngineStage
 
@@ -164,38 +165,6 @@ def _checked_train_step(run: Run, batches, health: NumericalHealth, iteration: i
             hook.remove()
 
 
-# Tests only: make chosen iterations' numbers bad through a forward hook on the model. "nan-loss@5" multiplies
-# the model's output by NaN at iteration 5 (NaN loss and gradients); "inf-grad@3,7-" keeps the loss finite and
-# multiplies the output's gradient by Inf at iteration 3 and from 7 on.
-TEST_INJECT_ENV = "CODEGEEX_TRAIN_TEST_INJECT"
-
-
-def _nan_output(module, inputs, output):
-    return output * float("nan")
-
-
-def _inf_grad_output(module, inputs, output):
-    if output.requires_grad:
-        output.register_hook(lambda grad: grad * float("inf"))
-    return output
-
-
-def _test_injection(spec: str | None):
-    """(forward hook, iteration -> bool) from ``TEST_INJECT_ENV``, or None."""
-    if not spec:
-        return None
-    kind, _, iterations = spec.partition("@")
-    hooks = {"nan-loss": _nan_output, "inf-grad": _inf_grad_output}
-    try:
-        singles = {int(p) for p in iterations.split(",") if not p.endswith("-")}
-        starts = [int(p[:-1]) for p in iterations.split(",") if p.endswith("-")]
-        hook = hooks[kind]
-    except (KeyError, ValueError):
-        raise ValueError(f"{TEST_INJECT_ENV}={spec!r}: expected nan-loss@ITERATIONS or inf-grad@ITERATIONS "
-                         f"(e.g. 5 or 3,7-)") from None
-    return hook, lambda it: it in singles or any(it >= s for s in starts)
-
-
 def train(run: Run, state: TrainState, train_loader, valid_loader=None, test_loader=None) -> TrainState:
     t, log_interval = run.args.train, run.args.logging.log_interval
     batches = iter(train_loader) if run.reads_data else None
@@ -205,7 +174,7 @@ def train(run: Run, state: TrainState, train_loader, valid_loader=None, test_loa
     health = _numerical_health(run)
     exits = run.exit_conditions or ExitConditions(signal_handler=False, duration_mins=None, start_time=time.time(),
                                                   device=run.device)
-    inject = _test_injection(os.environ.get(TEST_INJECT_ENV))
+    inject = injection_from_spec(os.environ.get(TEST_INJECT_ENV))
     while state.iteration < t.train_iters:
         step_start = time.perf_counter()
         loss = _checked_train_step(run, batches, health, state.iteration + 1, inject)

@@ -1,6 +1,6 @@
 """Numerical health: a NaN or Inf in the loss or the gradient norm stops every rank at the same iteration with one
 message naming it and the last good checkpoint, without saving; fp16's skipped steps are counted and a long run of
-them stops the run. Bad numbers are injected through ``CODEGEEX_TRAIN_TEST_INJECT`` (trainer.py, tests only); fp16
+them stops the run. Bad numbers are injected through ``CODEGEEX_TRAIN_TEST_INJECT`` (training/fault_injection.py, tests only); fp16
 itself is refused on CPU, so its skips are real DeepSpeed skips of inf gradients judged with fp16's rules."""
 
 import math
@@ -14,10 +14,10 @@ from codegeex_train import pretrain
 from codegeex_train.arguments import ConfigError, parse_args, validate
 from codegeex_train.model.checkpoint import read_latest
 from codegeex_train.testing import RankFailure, run_distributed
-from codegeex_train.training import trainer
+from codegeex_train.training import fault_injection, trainer
 from codegeex_train.training.exit_conditions import ExitConditions, NumericalHealth, NumericalHealthError
 
-INJECT = trainer.TEST_INJECT_ENV
+INJECT = fault_injection.TEST_INJECT_ENV
 
 
 def failed_run(monkeypatch, tmp_path, data, inject, world, tp=1, pp=1, iters=8, *extra, fn=run_pretrain):
@@ -186,11 +186,11 @@ def test_deepspeed_giving_up_on_the_loss_scale_is_the_same_error(monkeypatch, tm
 
 
 def test_injection_spec():
-    hook, applies = trainer._test_injection("inf-grad@3,7-")
-    assert hook is trainer._inf_grad_output and [i for i in range(1, 10) if applies(i)] == [3, 7, 8, 9]
-    assert trainer._test_injection(None) is None and trainer._test_injection("") is None
+    hook, applies = fault_injection.injection_from_spec("inf-grad@3,7-")
+    assert hook is fault_injection.inf_grad_output and [i for i in range(1, 10) if applies(i)] == [3, 7, 8, 9]
+    assert fault_injection.injection_from_spec(None) is None and fault_injection.injection_from_spec("") is None
     with pytest.raises(ValueError, match="expected nan-loss@ITERATIONS"):
-        trainer._test_injection("nan@3")
+        fault_injection.injection_from_spec("nan@3")
 
 
 def test_flags():
