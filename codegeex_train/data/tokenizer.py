@@ -3,15 +3,23 @@
 - HFTokenizer: a `tokenizer.json` (--tokenizer-model), e.g. the shipped default.
 - GPT2BPETokenizer: GPT-2 style `vocab.json` + `merges.txt` (--vocab-file, --merge-file).
 - SentencePieceTokenizer: a SentencePiece `.model` file (--tokenizer-model).
+- CodeGeeXTokenizer: CodeGeeX-13B's, i.e. GPT-J's (GPT-2's 50,257 ids, then `<|extratoken_1|>` ..
+  `<|extratoken_143|>` at ids 50,257..50,399) with CodeGeeX's whitespace encoding always on (runs of 2..10
+  spaces -> `<|extratoken_10|>` .. `<|extratoken_18|>`). From GPT-2's `vocab.json` + `merges.txt`
+  (--vocab-file, --merge-file; the extra tokens are appended) or from a `tokenizer.json` / Hugging Face
+  tokenizer directory holding them (--tokenizer-model, e.g. a local copy of EleutherAI/gpt-j-6B's files).
+  50,400 ids; the model pads them to 52,224 with `--make-vocab-size-divisible-by 52224`.
 
 `whitespace_encoding=True` adds CodeGeeX's whitespace encoding on top of any of them (see
-`whitespace.py`); extra tokens the tokenizer lacks are appended after its last id.
+`whitespace.py`); extra tokens the tokenizer lacks are appended after its last id (so GPT-2's files with
+GPT2BPETokenizer get them at 50,257..50,265, not at CodeGeeX's ids: use CodeGeeXTokenizer for those).
 
 We call the `tokenizers` library directly rather than `PreTrainedTokenizerFast`: its decode is
 byte-exact for byte-level BPE, with no `clean_up_tokenization_spaces` to undo.
 """
 
 import abc
+import json
 import os
 from pathlib import Path
 
@@ -25,7 +33,7 @@ from codegeex_train.data.whitespace import (
 )
 
 EOD_TOKEN = "<|endoftext|>"
-TOKENIZER_TYPES = ("HFTokenizer", "GPT2BPETokenizer", "SentencePieceTokenizer")
+TOKENIZER_TYPES = ("HFTokenizer", "GPT2BPETokenizer", "SentencePieceTokenizer", "CodeGeeXTokenizer")
 DEFAULT_TOKENIZER_PATH = str(Path(__file__).parent / "assets" / "default_tokenizer.json")
 
 
@@ -85,11 +93,13 @@ class HFTokenizer(Tokenizer):
         # max id + 1, not get_vocab_size(): a hand-edited file may have holes in its ids.
         self.vocab_size = max(self._tokenizer.get_vocab(with_added_tokens=True).values()) + 1
 
-    def add_tokens(self, tokens: list[str]) -> list[int]:
-        missing = [t for t in tokens if self._tokenizer.token_to_id(t) is None]
-        if missing:
+    def add_tokens(self, tokens: list[str], special: bool = False) -> list[int]:
+        """Appends the missing ones as special tokens; ``special=True`` also makes those present special
+        (same ids), so that text spelling them out encodes as text."""
+        todo = tokens if special else [t for t in tokens if self._tokenizer.token_to_id(t) is None]
+        if todo:
             self._tokenizer.add_special_tokens(
-                [AddedToken(t, special=True, normalized=False) for t in missing]
+                [AddedToken(t, special=True, normalized=False) for t in todo]
             )
         self._refresh_vocab_size()
         return [self._tokenizer.token_to_id(t) for t in tokens]
@@ -237,6 +247,11 @@ def build_tokenizer(
     elif tokenizer_type == "SentencePieceTokenizer":
         path = _require_file(tokenizer_model, "--tokenizer-model", tokenizer_type)
         tokenizer = _load(f"--tokenizer-model {path}", SentencePieceTokenizer, path)
+    elif tokenizer_type == "CodeGeeXTokenizer":
+        if max_whitespace_run != CODEGEEX_MAX_WHITESPACE_RUN:
+            raise TokenizerError(f"CodeGeeXTokenizer encodes runs of up to {CODEGEEX_MAX_WHITESPACE_RUN} spaces, "
+                                 f"not {max_whitespace_run}")
+        return _codegeex_tokenizer(tokenizer_model, vocab_file, merge_file)  # whitespace encoding built in
     else:
         raise TokenizerError(
             f"unknown --tokenizer-type {tokenizer_type!r}; valid: {', '.join(TOKENIZER_TYPES)}"
@@ -244,6 +259,80 @@ def build_tokenizer(
     if whitespace_encoding:
         tokenizer = WhitespaceEncodingTokenizer(tokenizer, max_whitespace_run)
     return tokenizer
+
+
+# --- CodeGeeX ------------------------------------------------------------------------------------------
+
+CODEGEEX_NUM_EXTRA_TOKENS = 143
+"""GPT-J's `<|extratoken_1|>` .. `<|extratoken_143|>`, right after GPT-2's `<|endoftext|>` (id 50256)."""
+CODEGEEX_MAX_WHITESPACE_RUN = DEFAULT_MAX_WHITESPACE_RUN  # CodeGeeX-13B: start id 10, max length 10
+
+
+def codegeex_extra_tokens() -> list[str]:
+    return [f"<|extratoken_{i}|>" for i in range(1, CODEGEEX_NUM_EXTRA_TOKENS + 1)]
+
+
+def _codegeex_source(tokenizer_model: str | None, vocab_file: str | None,
+                     merge_file: str | None) -> tuple[str, object, tuple]:
+    """(description for errors, loader, its args) for the files the CodeGeeXTokenizer flags name."""
+    kind = "CodeGeeXTokenizer"
+    if vocab_file is not None or merge_file is not None:  # GPT-2's two files win over --tokenizer-model
+        vocab = _require_file(vocab_file, "--vocab-file", kind)
+        merges = _require_file(merge_file, "--merge-file", kind)
+        return f"--vocab-file {vocab} / --merge-file {merges}", HFTokenizer.from_gpt2_files, (vocab, merges)
+    if tokenizer_model is None:
+        raise TokenizerError(f"--tokenizer-type {kind} needs --vocab-file and --merge-file (GPT-2's), or "
+                             f"--tokenizer-model (a tokenizer.json or a Hugging Face tokenizer directory)")
+    path = Path(tokenizer_model)
+    if path.is_file():
+        return f"--tokenizer-model {path}", HFTokenizer.from_file, (str(path),)
+    if not path.is_dir():
+        raise FileNotFoundError(f"--tokenizer-model {path}: no such file or directory (tokenizer type {kind})")
+    if (path / "tokenizer.json").is_file():
+        return f"--tokenizer-model {path}", HFTokenizer.from_file, (str(path / "tokenizer.json"),)
+    if (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
+        return (f"--tokenizer-model {path}", _from_gpt2_directory,
+                (str(path / "vocab.json"), str(path / "merges.txt"), path / "added_tokens.json"))
+    raise TokenizerError(f"--tokenizer-model {path}: a directory without tokenizer.json or vocab.json + "
+                         f"merges.txt (tokenizer type {kind})")
+
+
+def _from_gpt2_directory(vocab: str, merges: str, added_tokens: Path) -> "HFTokenizer":
+    """vocab.json + merges.txt, and the added tokens of added_tokens.json (``{token: id}``) at their ids."""
+    tokenizer = HFTokenizer.from_gpt2_files(vocab, merges)
+    if added_tokens.is_file():
+        try:
+            table = json.loads(added_tokens.read_text(encoding="utf-8"))
+            items = sorted(table.items(), key=lambda kv: kv[1])
+        except (ValueError, TypeError, AttributeError) as e:
+            raise RuntimeError(f"{added_tokens}: not a JSON object of token -> id ({e})") from None
+        ids = tokenizer.add_tokens([token for token, _ in items])
+        wrong = [(t, want, got) for (t, want), got in zip(items, ids) if want != got]
+        if wrong:
+            t, want, got = wrong[0]
+            raise RuntimeError(f"{added_tokens}: {t} should have id {want} but the vocabulary gives it {got} "
+                               f"({len(wrong)} such)")
+    return tokenizer
+
+
+def _codegeex_tokenizer(tokenizer_model: str | None, vocab_file: str | None,
+                        merge_file: str | None) -> "WhitespaceEncodingTokenizer":
+    what, load, args = _codegeex_source(tokenizer_model, vocab_file, merge_file)
+    inner = _load(what, load, *args)
+    assert isinstance(inner, HFTokenizer)
+    extras = codegeex_extra_tokens()
+    # Special, so that a document's literal "<|extratoken_12|>" stays text (CodeGeeX's own tokenizer would read it
+    # as the token); those missing are appended in order, after <|endoftext|>.
+    ids = inner.add_tokens(extras, special=True)
+    expected = list(range(inner.eod + 1, inner.eod + 1 + len(extras)))
+    if inner.eod != inner.vocab_size - 1 - len(extras) or ids != expected:
+        wrong = next((t, i) for t, i, e in zip(extras, ids, expected) if i != e) if ids != expected else None
+        detail = (f"{wrong[0]} has id {wrong[1]}" if wrong else
+                  f"the vocabulary has {inner.vocab_size} ids, not <|endoftext|>'s id + 1 + {len(extras)}")
+        raise TokenizerError(f"{what}: not CodeGeeX's vocabulary (GPT-2's ids ending in {EOD_TOKEN} = "
+                             f"{inner.eod}, then <|extratoken_1|>..<|extratoken_{len(extras)}|> at ids "
+                             f"{expected[0]}..{expected[-1]}): {detail}")
+    return WhitespaceEncodingTokenizer(inner, CODEGEEX_MAX_WHITESPACE_RUN)
 
 
 def default_tokenizer(whitespace_encoding: bool = True) -> Tokenizer:
