@@ -39,6 +39,7 @@ pretrain: env
 bench: env
 	$(PY) benchmarks/preprocess_throughput.py
 	$(PY) benchmarks/pipeline.py
+	$(PY) benchmarks/generation.py
 
 clean:
 	rm -rf $(VENV) .cache outputs

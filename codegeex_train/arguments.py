@@ -59,6 +59,10 @@ class TrainConfig:
     save_interval: int | None = option(None, "save every N iterations (and always at the end when --save)")
     eval_interval: int = option(1000, "evaluate on the validation split every N iterations")
     eval_iters: int = option(10, "validation batches per evaluation")
+    eval_humaneval_interval: int | None = option(None, "greedy HumanEval pass@1 every N iterations, on the first "
+                                                 "--eval-humaneval-tasks problems (PP 1)")
+    eval_humaneval_tasks: int = option(20, "HumanEval problems scored by --eval-humaneval-interval")
+    eval_humaneval_max_new_tokens: int = option(128, "tokens generated per problem by --eval-humaneval-interval")
     deepspeed_config: str | None = option(None, "a DeepSpeed JSON to start from; the flags fill in and must "
                                           "agree with batch sizes, clipping, precision and ZeRO stage")
     zero_stage: int = option(2, "DeepSpeed ZeRO stage", choices=(0, 1, 2))
@@ -151,6 +155,7 @@ class Args:
     optim: OptimConfig
     data: DataConfig
     logging: LoggingConfig
+    tokenizer: object = field(default=None, repr=False, compare=False)  # set by pretrain.prepare
 
 
 @dataclass(frozen=True)
@@ -244,6 +249,15 @@ def validate(args: Args, world_size: int) -> BatchPlan:
                           f"(0: no limit)")
     if t.exit_duration_in_mins is not None and t.exit_duration_in_mins <= 0:
         raise ConfigError(f"--exit-duration-in-mins {t.exit_duration_in_mins} must be above 0")
+    if t.eval_humaneval_interval is not None:
+        if (t.eval_humaneval_interval < 1 or not 1 <= t.eval_humaneval_tasks <= 164
+                or t.eval_humaneval_max_new_tokens < 1):
+            raise ConfigError("--eval-humaneval-interval must be >= 1, --eval-humaneval-tasks within 1..164 and "
+                              "--eval-humaneval-max-new-tokens >= 1")
+        if dims.pp_size > 1:
+            raise ConfigError(f"--eval-humaneval-interval needs --pipeline-model-parallel-size 1 (generation runs on "
+                              f"one stage); this run has {dims.pp_size}: evaluate its checkpoints with "
+                              f"tools/evaluate_humaneval.py after gathering them to PP 1")
     if t.load is not None and not os.path.isdir(t.load):
         raise ConfigError(f"--load {t.load}: no such directory")
     return BatchPlan(dims, t.micro_batch_size, num_microbatches, stage_layers)

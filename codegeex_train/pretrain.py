@@ -59,6 +59,7 @@ def prepare(argv: list[str] | None) -> tuple[Args, BatchPlan, dict, dict | None]
     plan = validate(args, world_size)
     tokenizer = load_tokenizer(args.data)
     args.model.vocab_size = tokenizer.vocab_size
+    args.tokenizer = tokenizer  # for generation during training (--eval-humaneval-interval)
     try:
         args.model.validate(plan.dims.tp_size)
     except ValueError as e:
@@ -173,7 +174,8 @@ def main(argv: list[str] | None = None) -> TrainState:
     peak = args.logging.peak_tflops * 1e12 if args.logging.peak_tflops else None
     exit_conditions = ExitConditions(signal_handler=t.exit_signal_handler, duration_mins=t.exit_duration_in_mins,
                                      start_time=start_time, device=device)
-    run = Run(args, plan, topology, engine, tracker, device, logger, flops, peak, exit_conditions=exit_conditions)
+    run = Run(args, plan, topology, engine, tracker, device, logger, flops, peak, exit_conditions=exit_conditions,
+              tokenizer=args.tokenizer)
     try:
         state = train(run, state, train_loader, valid_loader, test_loader)
     finally:

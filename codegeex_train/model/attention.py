@@ -4,6 +4,10 @@ Each TP rank owns heads/tp heads: the fused projection is column-parallel with `
 FULL weight keeps GPT-2's [Q; K; V] block layout while rank r holds [Q_r; K_r; V_r] (its heads' rows of
 each block). The output projection is row-parallel: one all-reduce forward, and the f inside the
 column-parallel input gives the one all-reduce backward.
+
+Incremental decoding (codegeex_train/generation) passes a ``KVCache`` slot to each attention: the keys and
+values of this step's tokens are written into it and the queries attend over every cached position. Without
+a cache (training, evaluation) the code path is the one above, unchanged.
 """
 
 from __future__ import annotations
@@ -23,11 +27,85 @@ def _split_heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     return x.view(b, s, -1, head_dim).transpose(1, 2)  # (b, heads/tp, s, d)
 
 
+class KVCache:
+    """Keys and values of every attention of a model stage (its layers in order, then the top query layer)
+    for the tokens seen so far, for incremental decoding.
+
+    Buffers are allocated once: keys and values (attentions, b, heads/tp, capacity, d), this rank's heads
+    only, and ``valid`` (b, capacity): which cached positions hold real tokens (False: left padding).
+    ``length`` positions are filled. A forward with the cache calls ``begin`` (s new positions and their
+    padding; builds the one mask every attention uses), each attention writes its new keys and values
+    with ``update`` and attends over positions 0 .. length + s - 1, and ``commit`` then advances ``length``.
+    """
+
+    def __init__(self, num_attentions: int, batch_size: int, capacity: int, heads_per_partition: int, head_dim: int,
+                 *, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+        shape = (num_attentions, batch_size, heads_per_partition, capacity, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.valid = torch.zeros(batch_size, capacity, dtype=torch.bool, device=device)
+        self.capacity, self.length, self.new = capacity, 0, 0
+        self.padded = False  # any invalid position cached: every later step needs a mask
+        self.mask: torch.Tensor | None = None  # (b, 1, s, length + s) bool for the forward in flight, or None
+
+    def begin(self, seq_len: int, padding_mask: torch.Tensor | None = None) -> None:
+        """Start a forward over ``seq_len`` new positions; ``padding_mask`` (b, s) bool marks real tokens."""
+        start, end = self.length, self.length + seq_len
+        if end > self.capacity:
+            raise ValueError(f"KV cache holds {self.capacity} positions; {self.length} cached + {seq_len} new")
+        if padding_mask is None:
+            self.valid[:, start:end] = True
+        else:
+            self.valid[:, start:end] = padding_mask
+            self.padded = self.padded or not bool(padding_mask.all())
+        self.new = seq_len
+        if seq_len == 1 and not self.padded:
+            self.mask = None  # one query, every cached key visible
+            return
+        # Query i (absolute position start + i) sees keys j <= start + i that are real tokens. A padding
+        # query also sees itself, so that no softmax row is empty (its output is never attended to).
+        q_pos = torch.arange(start, end, device=self.valid.device)[:, None]
+        k_pos = torch.arange(end, device=self.valid.device)[None, :]
+        mask = (k_pos <= q_pos) & self.valid[:, None, :end]  # (b, s, end)
+        self.mask = (mask | (k_pos == q_pos)).unsqueeze(1)  # (b, 1, s, end)
+
+    def update(self, index: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write attention ``index``'s new keys and values (b, heads/tp, s, d); return all so far."""
+        end = self.length + self.new
+        self.keys[index, :, :, self.length:end] = k
+        self.values[index, :, :, self.length:end] = v
+        return self.keys[index, :, :, :end], self.values[index, :, :, :end]
+
+    def commit(self) -> None:
+        self.length += self.new
+        self.new, self.mask = 0, None
+
+    def slot(self, index: int) -> "KVCacheSlot":
+        return KVCacheSlot(self, index)
+
+
+class KVCacheSlot:
+    """One attention's view of a KVCache."""
+
+    def __init__(self, cache: KVCache, index: int):
+        self.cache, self.index = cache, index
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store k, v (b, n/tp, s, d); attend q (b, n/tp, s, d) over every cached position (no dropout)."""
+        k, v = self.cache.update(self.index, k, v)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.cache.mask)
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int, dropout_p: float,
-                     rng_tracker: RNGStatesTracker | None) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d) + causal) v on (b, s, heads/tp * d) inputs -> (b, s, heads/tp * d)."""
+                     rng_tracker: RNGStatesTracker | None, cache: KVCacheSlot | None = None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + causal) v on (b, s, heads/tp * d) inputs -> (b, s, heads/tp * d).
+
+    With ``cache``: q, k, v are the new positions'; keys and values are appended to the cache and the
+    queries attend over everything cached (decoding, dropout off)."""
     q, k, v = (_split_heads(t, head_dim) for t in (q, k, v))  # (b, n/tp, s, d)
-    if dropout_p > 0.0 and rng_tracker is not None:
+    if cache is not None:
+        ctx = cache.attend(q, k, v)
+    elif dropout_p > 0.0 and rng_tracker is not None:
         # The probabilities belong to this rank's heads only: draw the mask from the TP-rank stream,
         # or every rank would repeat the same mask on different heads.
         with rng_tracker.fork():
@@ -53,11 +131,11 @@ class ParallelSelfAttention(nn.Module):
         self.dense = RowParallelLinear(h, h, tp_group, input_is_parallel=True, dtype=dtype, device=device,
                                        init_method=init.scaled(prefix + "dense.weight"))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCacheSlot | None = None) -> torch.Tensor:
         qkv = self.query_key_value(x)  # (b, s, 3h/tp) = [q_r | k_r | v_r]
         q, k, v = qkv.split(self.hidden_per_partition, dim=-1)  # 3 x (b, s, h/tp)
         p = self.dropout_p if self.training else 0.0
-        ctx = causal_attention(q, k, v, self.head_dim, p, self.rng_tracker)  # (b, s, h/tp)
+        ctx = causal_attention(q, k, v, self.head_dim, p, self.rng_tracker, cache)  # (b, s, h/tp)
         return self.dense(ctx)  # (b, s, h)
 
 
@@ -79,9 +157,9 @@ class TopQueryAttention(nn.Module):
         self.dense = RowParallelLinear(h, h, tp_group, input_is_parallel=True, dtype=dtype, device=device,
                                        init_method=init.scaled(prefix + "dense.weight"))
 
-    def forward(self, x: torch.Tensor, query_embeds: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, query_embeds: torch.Tensor, cache: KVCacheSlot | None = None) -> torch.Tensor:
         q = self.query(query_embeds)  # (b, s, h/tp)
         k, v = self.key_value(x).split(self.hidden_per_partition, dim=-1)  # 2 x (b, s, h/tp)
         p = self.dropout_p if self.training else 0.0
-        ctx = causal_attention(q, k, v, self.head_dim, p, self.rng_tracker)  # (b, s, h/tp)
+        ctx = causal_attention(q, k, v, self.head_dim, p, self.rng_tracker, cache)  # (b, s, h/tp)
         return self.dense(ctx)  # (b, s, h)

@@ -4,6 +4,9 @@
     logits_shard = model(input_ids, position_ids)                   # (b, s, v/tp)
     loss = model(input_ids, position_ids, labels=labels)            # (b, s) per-token loss, fp32
     logits = model(input_ids, position_ids, gather_logits=True)     # (b, s, v)
+    cache = model.new_kv_cache(batch_size, capacity)                # incremental decoding (generation/):
+    logits = model(prompt_ids, position_ids, kv_cache=cache, attention_mask=real_tokens)  # fills the cache,
+    logits = model(next_ids, next_position_ids, kv_cache=cache)     # then one (b, 1) step at a time
 
 A stage without ``pre_process`` takes hidden states (b, s, h) instead of ids; one without
 ``post_process`` returns hidden states. Position ids are always passed: the last stage's top query layer
@@ -18,6 +21,7 @@ from torch import nn
 
 from ..tensor_parallel import RNGStatesTracker, checkpoint, vocab_parallel_cross_entropy
 from ..tensor_parallel.mappings import ProcessGroup, group_rank, group_size
+from .attention import KVCache
 from .config import ModelConfig
 from .embedding import ReplicatedEmbedding, parallel_lm_logits, word_embeddings
 from .init import ParamInit
@@ -72,30 +76,59 @@ class CodeGeeXModel(nn.Module):
             return checkpoint(fn, self.rng_tracker, *tensors)  # restores both RNG streams on recompute
         return fn(*tensors)
 
+    def new_kv_cache(self, batch_size: int, capacity: int) -> KVCache:
+        """An empty KVCache for this stage's attentions (its layers, then the top query layer), this rank's heads,
+        ``capacity`` positions (prompt + new tokens), in the dtype and on the device of the weights."""
+        weight = next(self.parameters())
+        attentions = len(self.layers) + int(self.post_process and self.config.top_query_layer)
+        return KVCache(attentions, batch_size, capacity, self.config.num_attention_heads // self.tp_size,
+                       self.config.head_dim, dtype=weight.dtype, device=weight.device)
+
     def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
-                gather_logits: bool = False) -> torch.Tensor:
+                gather_logits: bool = False, kv_cache: KVCache | None = None,
+                attention_mask: torch.Tensor | None = None, last_token_only: bool = False) -> torch.Tensor:
         """``inputs``: token ids (b, s) on the first stage, hidden states (b, s, h) elsewhere.
 
         Returns hidden states (b, s, h) unless ``post_process``; then the per-token loss (b, s) fp32
         when ``labels`` are given (vocab-parallel, logits never gathered), else the logits shard
         (b, s, v/tp), or the full logits (b, s, v) with ``gather_logits``.
+
+        Decoding: with ``kv_cache`` the inputs are the s positions after those already cached (their keys
+        and values are appended, every attention reads the cached ones); ``attention_mask`` (b, s) bool
+        marks real tokens (False: padding, never attended to). ``last_token_only`` computes the logits
+        of the last position only (b, 1, ...), the one a decoding step samples from.
         """
         self.config.check_sequence_length(position_ids.shape[-1])
+        if kv_cache is None and attention_mask is not None:
+            raise ValueError("attention_mask needs kv_cache: padding is supported when decoding only")
+        if labels is not None and (kv_cache is not None or last_token_only):
+            raise ValueError("labels (the training loss) go with neither kv_cache nor last_token_only")
+        if kv_cache is not None:
+            kv_cache.begin(position_ids.shape[-1], attention_mask)
         if self.pre_process:
             words = self.word_embeddings(inputs)  # (b, s, h), all-reduced over TP
             hidden = words + self.position_embeddings(position_ids)
             hidden = nn.functional.dropout(hidden, self.config.hidden_dropout, self.training)  # replicated: default RNG
         else:
             hidden = inputs  # (b, s, h) from the previous stage
-        for layer in self.layers.values():
-            hidden = self._run(layer, hidden)
+        for slot, layer in enumerate(self.layers.values()):
+            hidden = self._run(layer, hidden) if kv_cache is None else layer(hidden, cache=kv_cache.slot(slot))
         if not self.post_process:
+            if kv_cache is not None:
+                kv_cache.commit()
             return hidden
 
         hidden = self.final_layernorm(hidden)
         if self.config.top_query_layer:
             queries = self.top_query_embeddings(position_ids)  # (b, s, h)
-            hidden = self._run(self.top_query_layer, hidden, queries)
+            if kv_cache is None:
+                hidden = self._run(self.top_query_layer, hidden, queries)
+            else:  # keys/values from the final hidden states, cached like every layer's
+                hidden = self.top_query_layer(hidden, queries, cache=kv_cache.slot(len(self.layers)))
+        if kv_cache is not None:
+            kv_cache.commit()
+        if last_token_only:
+            hidden = hidden[:, -1:]
         logits = parallel_lm_logits(hidden, self.word_embeddings.weight, self.tp_group,
                                     gather=gather_logits and labels is None)  # (b, s, v/tp)
         if labels is None:

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..tensor_parallel import RNGStatesTracker
 from ..tensor_parallel.mappings import ProcessGroup
-from .attention import ParallelSelfAttention, TopQueryAttention
+from .attention import KVCacheSlot, ParallelSelfAttention, TopQueryAttention
 from .config import ModelConfig
 from .init import ParamInit
 from .mlp import ParallelMLP
@@ -38,8 +38,9 @@ class ParallelTransformerLayer(nn.Module):
         self.post_attention_layernorm = layer_norm(config, dtype, device)
         self.mlp = ParallelMLP(config, tp_group, init, prefix + "mlp.", dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor, *attention_args: torch.Tensor) -> torch.Tensor:
-        attn = self.attention(self.input_layernorm(x), *attention_args)  # (b, s, h)
+    def forward(self, x: torch.Tensor, *attention_args: torch.Tensor, cache: KVCacheSlot | None = None) -> torch.Tensor:
+        """``cache``: this layer's slot of a KVCache when decoding incrementally (see attention.py)."""
+        attn = self.attention(self.input_layernorm(x), *attention_args, cache=cache)  # (b, s, h)
         y = x + F.dropout(attn, self.hidden_dropout, self.training)
         return y + F.dropout(self.mlp(self.post_attention_layernorm(y)), self.hidden_dropout, self.training)
 

@@ -162,7 +162,8 @@ def format_record(record: dict, train_iters: int) -> str:
     if split == "train":
         head = f" iteration {record['iteration']:8d}/{train_iters:8d}"
     else:
-        head = f" {_SPLIT_TITLES.get(split, split)} loss at iteration {record['iteration']:8d}"
+        what = f"{_SPLIT_TITLES[split]} loss" if split in _SPLIT_TITLES else split
+        head = f" {what} at iteration {record['iteration']:8d}"
     items = [(k.removeprefix(split + "_"), v) for k, v in record.items()
              if k not in ("iteration", "split") and v is not None]
     items.sort(key=lambda kv: _ORDER.get(kv[0], len(_ORDER)))  # stable: unknown keys keep their order

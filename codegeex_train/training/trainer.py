@@ -46,6 +46,7 @@ class Run:
     peak_flops_per_device: float | None = None  # for MFU; None on CPU
     p2p: P2PCommunicator | None = None  # None: built from the topology and the activation shape
     exit_conditions: ExitConditions | None = None  # SIGTERM / wall-clock stops; None: never
+    tokenizer: object = None  # for --eval-humaneval-interval
 
     def __post_init__(self) -> None:
         if self.p2p is None:
@@ -98,6 +99,32 @@ def evaluate(run: Run, data_loader) -> float:
     run_schedule(run.plan_ops(forward_only(run.args.train.eval_iters * run.plan.num_microbatches)), stage, run.p2p)
     run.engine.train()
     return dp_mean(stage.mean_loss(), run.topology)
+
+
+def humaneval_pass_at_1(run: Run, state: TrainState) -> None:
+    """--eval-humaneval-interval: greedy pass@1 on the first --eval-humaneval-tasks HumanEval problems. Generation
+    is collective over TP only, so DP rank 0's TP group generates (the others go on and wait for it in the next
+    step's collectives); the logging rank runs the completions in the sandbox and logs the result."""
+    if run.topology.dp_rank != 0:
+        return
+    from ..evaluation import evaluate_humaneval
+    from ..generation import HUMANEVAL_STOP, Generator, SamplingParams
+
+    t = run.args.train
+    generator = Generator(run.engine.module, run.tokenizer, run.device)  # puts the module in eval mode
+    try:
+        metrics = evaluate_humaneval(generator, tasks=t.eval_humaneval_tasks, num_samples=1, ks=(1,),
+                                     params=SamplingParams(max_new_tokens=t.eval_humaneval_max_new_tokens,
+                                                           stop=HUMANEVAL_STOP),
+                                     execute=run.logger.enabled)
+    except ValueError as e:  # the same on every rank (e.g. prompts longer than the model's positions): go on
+        if run.topology.rank == 0:
+            print(f"warning: --eval-humaneval-interval skipped at iteration {state.iteration}: {e}", flush=True)
+        return
+    finally:
+        run.engine.train()
+    if metrics is not None:
+        run.logger.log({"iteration": state.iteration, "split": "humaneval", **metrics})
 
 
 def _log_eval(run: Run, state: TrainState, split: str, loss: float) -> None:
@@ -211,6 +238,9 @@ def train(run: Run, state: TrainState, train_loader, valid_loader=None, test_loa
         if (valid_loader is not None and t.eval_interval and state.iteration % t.eval_interval == 0
                 and stop_reason is None):  # preempted: the grace period is for the checkpoint
             _log_eval(run, state, "valid", evaluate(run, valid_loader))
+        if (t.eval_humaneval_interval and state.iteration % t.eval_humaneval_interval == 0
+                and stop_reason is None):
+            humaneval_pass_at_1(run, state)
         saving = t.save and (last or (t.save_interval and state.iteration % t.save_interval == 0))
         if saving:
             state.wandb_run_id = run.logger.wandb_run_id

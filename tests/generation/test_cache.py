@@ -1,0 +1,80 @@
+"""Incremental decoding with the KV cache computes the full forward's logits at every step (fp32, <= 1e-5), at
+TP 1 and TP 2 (real gloo ranks), with and without the top query layer; and the cache's bookkeeping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gen_helpers import cache_vs_full, max_err, tiny_config
+
+from codegeex_train.model import CodeGeeXModel
+
+TOL = 1e-5
+
+
+@pytest.mark.parametrize("top_query", [True, False])
+def test_cached_logits_equal_full_forward_tp1(top_query):
+    result = cache_vs_full(CodeGeeXModel(tiny_config(top_query_layer=top_query), None, None, seed=11))
+    assert result["largest_logit"] > 1.0  # logits far from zero, so the comparison means something
+    assert len(result["errors"]) == 10 and result["cached"] == 9 + 2 + 8
+    assert max(result["errors"]) <= TOL, result["errors"]
+
+
+@pytest.mark.parametrize("top_query", [True, False])
+def test_cached_logits_equal_full_forward_tp2(tp2_results, top_query):
+    for rank, result in enumerate(tp2_results):
+        r = result[f"cache_top_query_{top_query}"]
+        assert r["largest_logit"] > 1.0
+        assert max(r["errors"]) <= TOL, (rank, r["errors"])
+
+
+def test_top_query_layer_is_cached():
+    """The cache has one slot per layer plus the top query layer's, and decoding writes into all of them."""
+    model = CodeGeeXModel(tiny_config(), None, None, seed=11).eval()
+    cache = model.new_kv_cache(batch_size=2, capacity=6)
+    assert cache.keys.shape == (3, 2, 4, 6, 8)  # (layers + top query, b, heads, capacity, head dim)
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.arange(3).expand(2, 3), kv_cache=cache)
+    assert cache.length == 3
+    assert all(cache.keys[i, :, :, :3].abs().sum() > 0 for i in range(3))
+    assert cache.keys[:, :, :, 3:].abs().sum() == 0
+    no_top = CodeGeeXModel(tiny_config(top_query_layer=False), None, None, seed=11)
+    assert no_top.new_kv_cache(1, 4).keys.shape[0] == 2
+
+
+def test_cache_refuses_overflow_and_misuse():
+    model = CodeGeeXModel(tiny_config(), None, None, seed=11).eval()
+    ids, pos = torch.tensor([[1, 2, 3]]), torch.arange(3)[None]
+    with pytest.raises(ValueError, match="KV cache holds 2 positions"):
+        model(ids, pos, kv_cache=model.new_kv_cache(1, 2))
+    with pytest.raises(ValueError, match="attention_mask needs kv_cache"):
+        model(ids, pos, attention_mask=torch.ones(1, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="labels"):
+        model(ids, pos, labels=ids, kv_cache=model.new_kv_cache(1, 3))
+
+
+def test_last_token_only_and_training_path_unchanged():
+    """last_token_only returns the last position's logits; the default forward is untouched by the cache."""
+    model = CodeGeeXModel(tiny_config(), None, None, seed=11).eval()
+    ids, pos = torch.tensor([[1, 2, 3, 4]]), torch.arange(4)[None]
+    full = model(ids, pos)
+    assert model(ids, pos, last_token_only=True).shape == (1, 1, 128)
+    assert max_err(model(ids, pos, last_token_only=True), full[:, -1:]) <= 1e-6
+    loss = model(ids, pos, labels=ids)
+    assert loss.shape == (1, 4)
+
+
+def test_pipeline_stages_are_refused(tmp_path):
+    from codegeex_train.generation import Generator
+    from codegeex_train.model import CheckpointError, save_model_checkpoint
+    from codegeex_train.model.sharding import split_model_parallel
+
+    config = tiny_config()
+    stage = CodeGeeXModel(config, None, None, post_process=False, layer_numbers=range(1))
+    with pytest.raises(ValueError, match="gather to PP 1 with tools/convert_checkpoint.py"):
+        Generator(stage, None)
+    full = CodeGeeXModel(config, None, None, seed=1).state_dict()
+    save_model_checkpoint(tmp_path, split_model_parallel(full, config, 1, [range(1), range(1, 2)]), config, 1,
+                          pp_size=2)
+    with pytest.raises(CheckpointError, match="x PP 2; generation runs the whole model.*gather to PP 1 with tools/convert_checkpoint.py"):
+        Generator.from_checkpoint(tmp_path, None)

