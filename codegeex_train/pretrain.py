@@ -47,6 +47,7 @@ from codegeex_train.topology import DeepSpeedMPU, Topology
 from codegeex_train.training.checkpointing import TrainState, has_optimizer_states, load_checkpoint, preflight_load
 from codegeex_train.training.data import build_datasets, load_tokenizer, loader, num_samples, preflight_data
 from codegeex_train.training.exit_conditions import ExitConditions
+from codegeex_train.training.malloc import fix_malloc_thresholds
 from codegeex_train.training.metrics import MetricsLogger
 from codegeex_train.training.trainer import Run, train
 from codegeex_train.training.universal import load_universal_training_state, load_universal_weights
@@ -105,6 +106,8 @@ def report_cluster(topology: Topology) -> dict:
 
 def main(argv: list[str] | None = None) -> TrainState:
     start_time = time.time()  # --exit-duration-in-mins counts from here, as Megatron's does
+    if os.environ.get("DS_ACCELERATOR") == "cpu" or not torch.cuda.is_available():
+        fix_malloc_thresholds()  # CPU: RSS stays flat (training/malloc.py); MALLOC_*_ set at launch win
     if not dist.is_initialized():
         rank_env_from_slurm()
     try:

@@ -235,11 +235,11 @@ class MetricsLogger:
                                    directory=cfg.wandb_dir or save_dir or os.getcwd(), run_config=run_config,
                                    run_id=resume_wandb_id, init_timeout=wandb_init_timeout)
             self.sinks.append(self.wandb)
-        if cfg.progress_bar:
-            # Redirected to a file, each redraw is a new line: redraw rarely there.
-            interactive = sys.stderr.isatty()
+        if cfg.progress_bar and sys.stderr.isatty():
+            # Only on a terminal: redirected (e.g. `| tee logs/train-*.log`), each carriage-return redraw would
+            # land in the log; the console lines above carry the same progress there.
             self._bar = tqdm(total=train_iters, initial=start_iteration, desc="train", unit="it",
-                             dynamic_ncols=True, mininterval=1.0 if interactive else 60.0)
+                             dynamic_ncols=True, mininterval=1.0)
 
     @property
     def wandb_run_id(self) -> str | None:

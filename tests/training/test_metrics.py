@@ -6,6 +6,7 @@ the server URL points at a closed local port in case anything tries to go online
 
 import json
 import logging
+import sys
 import time
 
 import pytest
@@ -220,7 +221,8 @@ def test_resume_continues_the_same_wandb_run(tmp_path, wandb_env):
     assert offline_history(tmp_path, first.wandb_run_id) == expected_wandb_rows(TRAIN)
 
 
-def test_progress_bar_follows_iterations(tmp_path, capsys):
+def test_progress_bar_follows_iterations(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # the bar is drawn on a terminal only
     cfg = LoggingConfig(progress_bar=True)
     logger = MetricsLogger(cfg, enabled=True, save_dir=None, run_config={}, train_iters=100, start_iteration=1)
     for iteration in (2, 3):
