@@ -121,3 +121,17 @@ def load_tool(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def codegeex_reference(module: str = "codegeex.torch.codegeex_model"):
+    """A module of the original ``codegeex`` 1.0 package (the tests' independent reference), or a test failure
+    that says how to install it: the reference must never be skipped silently."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        import pytest
+
+        pytest.fail(f"the codegeex package is not installed ({e}); `make env` installs it: "
+                    f"pip install --no-deps codegeex==1.0", pytrace=False)

@@ -28,22 +28,16 @@ from codegeex_train.data.tokenizer import (
 )
 from codegeex_train.data.whitespace import split_whitespace_runs, whitespace_token
 from codegeex_train.model.config import ModelConfig
+from codegeex_train.testing import codegeex_reference
 from codegeex_train.training.data import load_tokenizer
+
+THEIR_TOKENIZER = "codegeex.tokenizer.tokenizer"  # the original package's tokenizer: the reference
 
 EXTRA = 143
 CODE = ('import os\n\n\nclass Walker:\n    """Walk  a tree."""\n\n    def __init__(self, root):\n'
         '        self.root = root  # two  spaces\n        if root:\n            for name in os.listdir(root):\n'
         '                print(name,   "x" * 3)\n\t\treturn None\n    \n' + " " * 23 + "deep = [1,  2]\n"
         "x = 'é ü  ☃'\r\n  \n" + " " * 10 + "end" + " " * 11 + "\n")
-
-
-def codegeex_tokenizer_module():
-    try:
-        import codegeex.tokenizer.tokenizer as module
-    except ImportError as e:
-        pytest.fail(f"the codegeex package is not installed ({e}); `make env` installs it: "
-                    f"pip install --no-deps codegeex==1.0", pytrace=False)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +68,7 @@ def gptj_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def theirs(gptj_dir):
     """The package's tokenizer, loaded its own way (AutoTokenizer.from_pretrained of the directory)."""
-    return codegeex_tokenizer_module().CodeGeeXTokenizer(tokenizer_path=str(gptj_dir))
+    return codegeex_reference(THEIR_TOKENIZER).CodeGeeXTokenizer(tokenizer_path=str(gptj_dir))
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +146,7 @@ def _rendered(text: str) -> str:
 @settings(max_examples=300, deadline=None)
 @given(st.text(alphabet=st.sampled_from([" ", " ", " ", "a", "\n", "\t", "é", "<"]), max_size=80))
 def test_whitespace_runs_split_exactly_as_codegeex_replaces_them(text):
-    assert _rendered(text) == codegeex_tokenizer_module().encode_whitespaces(text, 10, 10)
+    assert _rendered(text) == codegeex_reference(THEIR_TOKENIZER).encode_whitespaces(text, 10, 10)
 
 
 @settings(max_examples=60, deadline=None)

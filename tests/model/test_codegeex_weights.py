@@ -30,28 +30,20 @@ from codegeex_train.model.codegeex_weights import (
     full_to_codegeex,
 )
 from codegeex_train.model.config import ModelConfig
-from codegeex_train.testing import run_distributed
+from codegeex_train.testing import codegeex_reference, run_distributed
+
+THEIR_MODEL = "codegeex.torch.codegeex_model"  # the original package's model: the reference
 
 TOL = 1e-5
 HIDDEN, LAYERS, HEADS, PADDED_VOCAB, POSITIONS = 32, 2, 4, 256, 16
 B, S = 2, 16
 
 
-def codegeex_package():
-    """codegeex.torch.codegeex_model, or a failure that says how to install it."""
-    try:
-        import codegeex.torch.codegeex_model as module
-    except ImportError as e:
-        pytest.fail(f"the codegeex package is not installed ({e}); `make env` installs it: "
-                    f"pip install --no-deps codegeex==1.0", pytrace=False)
-    return module
-
-
 def their_model(dtype: torch.dtype = torch.float32, seed: int = 0):
     """The package's CodeGeeXModel with every parameter random (LayerNorms and biases too, so that each name
     mapping matters), in ``dtype``, its softmax kept in that dtype."""
     torch.manual_seed(seed)
-    model = codegeex_package().CodeGeeXModel(HIDDEN, LAYERS, HEADS, PADDED_VOCAB, POSITIONS)
+    model = codegeex_reference(THEIR_MODEL).CodeGeeXModel(HIDDEN, LAYERS, HEADS, PADDED_VOCAB, POSITIONS)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "layernorm" in name and name.endswith("weight"):
