@@ -27,6 +27,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from codegeex_train.accounting import Workload, expected_memory_report
 from codegeex_train.arguments import Args, BatchPlan, ConfigError, parse_args, validate
 from codegeex_train.cluster import (
     ClusterError,
@@ -132,8 +133,10 @@ def main(argv: list[str] | None = None) -> TrainState:
                           post_process=topology.is_last_stage, layer_numbers=plan.stage_layers[topology.pp_rank],
                           checkpoint_activations=t.checkpoint_activations, device=device)
     mark_shared_embedding_copy(model, topology)
+    workload = Workload.from_run(args, plan, ds_config)
     if topology.rank == 0:
         print(model_summary(model, args.model, topology.tp_size, topology.pp_size), flush=True)
+        print(expected_memory_report(workload), flush=True)
     if resume and resume.get("universal"):  # any layout: this rank's slice of the weights, before ZeRO copies them
         load_universal_weights(model, t.load, resume["tag"], pp_rank=topology.pp_rank, stage_layers=plan.stage_layers)
     elif resume and not has_optimizer_states(t.load, resume["tag"]):
@@ -178,7 +181,7 @@ def main(argv: list[str] | None = None) -> TrainState:
     exit_conditions = ExitConditions(signal_handler=t.exit_signal_handler, duration_mins=t.exit_duration_in_mins,
                                      start_time=start_time, device=device)
     run = Run(args, plan, topology, engine, tracker, device, logger, flops, peak, exit_conditions=exit_conditions,
-              tokenizer=args.tokenizer)
+              tokenizer=args.tokenizer, workload=workload)
     try:
         state = train(run, state, train_loader, valid_loader, test_loader)
     finally:

@@ -179,6 +179,11 @@ class Topology:
     def in_embedding_group(self) -> bool:
         return self.is_first_stage or self.is_last_stage
 
+    def named_groups(self) -> dict:
+        """This rank's groups by name (what communication accounting reports bytes under)."""
+        return {"tp": self.tp_group, "pp": self.pp_group, "dp": self.dp_group, "mp": self.mp_group,
+                "embedding": self.embedding_group}
+
     def __repr__(self) -> str:
         d = self.dims
         return (

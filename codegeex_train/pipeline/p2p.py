@@ -17,8 +17,9 @@ class P2PCommunicator:
     """The sends and receives of one pipeline stage; ``log`` (a list) records each one, for tests."""
 
     def __init__(self, prev_rank: int | None, next_rank: int | None, shape: tuple[int, ...], dtype: torch.dtype,
-                 device: torch.device, log: list | None = None):
-        self.prev_rank, self.next_rank = prev_rank, next_rank  # None on the first / last stage
+                 device: torch.device, log: list | None = None, group: dist.ProcessGroup | None = None):
+        self.prev_rank, self.next_rank = prev_rank, next_rank  # None on the first / last stage (global ranks)
+        self.group = group  # the pipeline group (None: the default group); peers stay global ranks
         self.shape, self.dtype, self.device = shape, dtype, device
         self.log = log
         self.bytes_sent = 0
@@ -26,14 +27,15 @@ class P2PCommunicator:
     @classmethod
     def for_topology(cls, topology, shape, dtype, device, log=None) -> "P2PCommunicator":
         return cls(None if topology.is_first_stage else topology.prev_rank,
-                   None if topology.is_last_stage else topology.next_rank, shape, dtype, device, log)
+                   None if topology.is_last_stage else topology.next_rank, shape, dtype, device, log,
+                   topology.pp_group)
 
     def _exchange(self, sends: list[tuple[torch.Tensor, int]], recv_from: int | None) -> torch.Tensor | None:
-        ops = [dist.P2POp(dist.isend, t.contiguous(), peer) for t, peer in sends]
+        ops = [dist.P2POp(dist.isend, t.contiguous(), peer, self.group) for t, peer in sends]
         received = None
         if recv_from is not None:
             received = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-            ops.append(dist.P2POp(dist.irecv, received, recv_from))
+            ops.append(dist.P2POp(dist.irecv, received, recv_from, self.group))
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()

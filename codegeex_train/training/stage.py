@@ -14,6 +14,7 @@ Only the first stage reads input ids and the last stage labels; middle stages ne
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Iterator
 
 import torch
@@ -29,8 +30,10 @@ class EngineStage:
     """Forward/backward of one stage for one optimizer step (or one evaluation pass)."""
 
     def __init__(self, engine, batches: Iterator[dict] | None, *, is_first: bool, is_last: bool,
-                 micro_batch_size: int, seq_length: int, device: torch.device, num_microbatches: int):
+                 micro_batch_size: int, seq_length: int, device: torch.device, num_microbatches: int,
+                 first_forward_context=None):
         self.engine, self.batches = engine, batches
+        self.first_forward_context = first_forward_context  # wraps micro-batch 0's forward (memory accounting)
         self.is_first, self.is_last = is_first, is_last
         self.shape, self.device = (micro_batch_size, seq_length), device
         self.num_microbatches = num_microbatches
@@ -44,7 +47,9 @@ class EngineStage:
             inputs = batch["input_ids"]
         else:
             inputs = input_tensor.requires_grad_(torch.is_grad_enabled())  # (b, s, h) from the previous stage
-        output = self.engine(inputs, positions, labels=batch["labels"] if self.is_last else None)
+        context = self.first_forward_context if mb == 0 and self.first_forward_context else nullcontext()
+        with context:
+            output = self.engine(inputs, positions, labels=batch["labels"] if self.is_last else None)
         if not self.is_last:
             return output  # (b, s, h)
         loss = masked_mean(output, batch["loss_mask"])

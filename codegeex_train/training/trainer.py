@@ -13,6 +13,9 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from ..accounting import CommCounter, Workload, comm_bytes_per_step, memory_per_rank
+from ..accounting.memory import SavedActivations, measure_state_memory
+from ..accounting.theory import microbatches_in_flight
 from ..arguments import Args, BatchPlan
 from ..pipeline import (
     P2PCommunicator,
@@ -47,6 +50,11 @@ class Run:
     p2p: P2PCommunicator | None = None  # None: built from the topology and the activation shape
     exit_conditions: ExitConditions | None = None  # SIGTERM / wall-clock stops; None: never
     tokenizer: object = None  # for --eval-humaneval-interval
+    workload: Workload | None = None  # shapes and layout, for the predicted bytes and memory (accounting.theory)
+
+    @property
+    def comm_theory(self) -> dict | None:
+        return None if self.workload is None else comm_bytes_per_step(self.workload, self.topology.pp_rank)
 
     def __post_init__(self) -> None:
         if self.p2p is None:
@@ -60,24 +68,29 @@ class Run:
         """The first stage reads input ids, the last labels; middle stages never touch the data."""
         return self.topology.is_first_stage or self.topology.is_last_stage
 
-    def stage(self, batches: Iterator[dict] | None) -> EngineStage:
+    def stage(self, batches: Iterator[dict] | None, first_forward_context=None) -> EngineStage:
         return EngineStage(self.engine, batches, is_first=self.topology.is_first_stage,
                            is_last=self.topology.is_last_stage, micro_batch_size=self.plan.micro_batch_size,
                            seq_length=self.args.train.seq_length, device=self.device,
-                           num_microbatches=self.plan.num_microbatches)
+                           num_microbatches=self.plan.num_microbatches, first_forward_context=first_forward_context)
 
     def plan_ops(self, steps):
         return communication_plan(steps, self.topology.is_first_stage, self.topology.is_last_stage)
 
 
-def train_step(run: Run, batches: Iterator[dict] | None) -> torch.Tensor:
+def train_step(run: Run, batches: Iterator[dict] | None, memory: dict | None = None) -> torch.Tensor:
     """One optimizer step: the 1F1B schedule over ``num_microbatches`` micro-batches (plain accumulation when
     PP = 1), the tied embedding's gradients summed, then DeepSpeed's step. Returns the last stage's mean loss
-    (on device, no host sync; zero on other stages)."""
+    (on device, no host sync; zero on other stages). With ``memory`` (a dict) the step also measures this
+    rank's memory by part into it (accounting.memory)."""
     topo = run.topology
-    stage = run.stage(batches)
+    saved = SavedActivations(run.engine.module) if memory is not None else None
+    stage = run.stage(batches, saved)
     run_schedule(run.plan_ops(one_f_one_b(topo.pp_size, topo.pp_rank, run.plan.num_microbatches)), stage, run.p2p)
     allreduce_shared_embedding_grads(run.engine.module, topo)
+    if memory is not None:  # the boundary: full gradient partition, optimizer state (from the 2nd step on)
+        in_flight = microbatches_in_flight(run.workload, topo.pp_rank) if run.workload else 1
+        memory.update(measure_state_memory(run.engine), activations=saved.bytes * in_flight)
     run.engine.step()  # the boundary: clip, optimizer step, LR schedule
     return stage.mean_loss()
 
@@ -132,8 +145,29 @@ def _log_eval(run: Run, state: TrainState, split: str, loss: float) -> None:
                     f"{split}_ppl": math.exp(min(loss, 50.0))})
 
 
+def comm_record(measured: dict[str, int], iterations: int, theory: dict | None) -> dict:
+    """``comm_<group>_bytes``: bytes this rank moved per training step (mean over the log interval), counted at
+    the collectives; ``comm_<group>_bytes_theory`` beside it. Evaluation and logging traffic is not included."""
+    record = {}
+    for group in sorted(set(measured) | set(theory or {})):
+        record[f"comm_{group}_bytes"] = measured.get(group, 0) // max(iterations, 1)
+        if theory is not None and group in theory:
+            record[f"comm_{group}_bytes_theory"] = theory[group]
+    return record
+
+
+def memory_record(run: Run, iteration: int, measured: dict[str, int]) -> dict:
+    """``split: memory``: this rank's bytes by part, measured (accounting.memory) and predicted, and peak memory."""
+    record = {"iteration": iteration, "split": "memory", **{f"memory_{k}_bytes": v for k, v in measured.items()},
+              "memory_total_bytes": sum(measured.values())}
+    if run.workload is not None:
+        theory = memory_per_rank(run.workload, run.topology.pp_rank).as_dict()
+        record.update({f"memory_{k}_bytes_theory": v for k, v in theory.items()})
+    return {**record, "memory_gb": memory_gb(run.device)}
+
+
 def _train_record(run: Run, state: TrainState, loss: torch.Tensor, seconds_per_iteration: float,
-                  skipped_iterations: int = 0) -> dict:
+                  skipped_iterations: int = 0, comm_bytes: dict | None = None, comm_iterations: int = 0) -> dict:
     engine, plan = run.engine, run.plan
     grad_norm = engine.get_global_grad_norm()
     optimizer = engine.optimizer
@@ -148,6 +182,7 @@ def _train_record(run: Run, state: TrainState, loss: torch.Tensor, seconds_per_i
         **throughput_record(seconds_per_iteration, plan.global_batch_size * run.args.train.seq_length,
                             run.flops_per_iteration, plan.dims.world_size, run.peak_flops_per_device),
         "memory_gb": memory_gb(run.device),
+        **comm_record(comm_bytes or {}, comm_iterations, run.comm_theory),
     }
 
 
@@ -175,12 +210,13 @@ def _health_error(run: Run, iteration: int, problem: str) -> NumericalHealthErro
     return NumericalHealthError(message)
 
 
-def _checked_train_step(run: Run, batches, health: NumericalHealth, iteration: int, inject) -> torch.Tensor:
+def _checked_train_step(run: Run, batches, health: NumericalHealth, iteration: int, inject,
+                        memory: dict | None = None) -> torch.Tensor:
     """``train_step``, with DeepSpeed's own give-up (fp16 loss scale at its minimum, raised on every rank alike)
     turned into the same clear error, and the test-only injection."""
     hook = run.engine.module.register_forward_hook(inject[0]) if inject and inject[1](iteration) else None
     try:
-        return train_step(run, batches)
+        return train_step(run, batches, memory)
     except Exception as error:
         if "loss scale already at minimum" not in str(error):
             raise
@@ -193,6 +229,11 @@ def _checked_train_step(run: Run, batches, health: NumericalHealth, iteration: i
 
 
 def train(run: Run, state: TrainState, train_loader, valid_loader=None, test_loader=None) -> TrainState:
+    with CommCounter(run.topology.named_groups()) as comm:
+        return _train(run, state, train_loader, valid_loader, test_loader, comm)
+
+
+def _train(run: Run, state: TrainState, train_loader, valid_loader, test_loader, comm: CommCounter) -> TrainState:
     t, log_interval = run.args.train, run.args.logging.log_interval
     batches = iter(train_loader) if run.reads_data else None
     start_iteration = state.iteration
@@ -202,9 +243,18 @@ def train(run: Run, state: TrainState, train_loader, valid_loader=None, test_loa
     exits = run.exit_conditions or ExitConditions(signal_handler=False, duration_mins=None, start_time=time.time(),
                                                   device=run.device)
     inject = injection_from_spec(os.environ.get(TEST_INJECT_ENV))
+    step_comm: dict[str, int] = {}
+    # Measured once, at the run's second step: the first creates the optimizer's state.
+    memory_iteration = min(start_iteration + 2, t.train_iters)
     while state.iteration < t.train_iters:
+        comm.take()  # drop what eval, logging and the exit checks moved: only training steps are accounted
         step_start = time.perf_counter()
-        loss = _checked_train_step(run, batches, health, state.iteration + 1, inject)
+        memory = {} if state.iteration + 1 == memory_iteration else None
+        loss = _checked_train_step(run, batches, health, state.iteration + 1, inject, memory)
+        if memory:
+            run.logger.log(memory_record(run, state.iteration + 1, memory))
+        for group, n in comm.take().items():
+            step_comm[group] = step_comm.get(group, 0) + n
         loss_sum += loss
         state.iteration += 1
         state.consumed_train_samples += run.plan.global_batch_size
@@ -228,7 +278,8 @@ def train(run: Run, state: TrainState, train_loader, valid_loader=None, test_loa
                 torch.cuda.synchronize(run.device)  # honest timing: wait for queued kernels
             step_seconds += time.perf_counter() - step_start
             run.logger.log(_train_record(run, state, loss_sum / interval_iters, step_seconds / interval_iters,
-                                         health.take_skipped_in_interval()))
+                                         health.take_skipped_in_interval(), step_comm, interval_iters))
+            step_comm = {}
             loss_sum.zero_()
             step_seconds, interval_iters = 0.0, 0
         else:

@@ -1,0 +1,90 @@
+"""Memory per rank, measured by part: what the tensors actually hold, on any device.
+
+Peak RSS (CPU) or CUDA's allocator statistics say how much a process uses but not what for. Here every
+distinct storage reachable from the model and its ZeRO optimizer is counted once and put in one part:
+  weights     the module's parameters (ZeRO flattens them into one buffer per group; the views count once);
+  optimizer   the fp32 master partition and the optimizer's state (Adam's two moments and step);
+  gradients   the gradient partition ZeRO accumulates into (whole gradients of the parameters that overlap
+              this rank's partition);
+  buffers     every other tensor the ZeRO optimizer keeps, and ``.grad`` still alive (a bucket not yet reduced);
+  activations what autograd saves for the backward of one micro-batch (a ``saved_tensors_hooks`` tally of
+              distinct storages, parameters excluded), times the micro-batches 1F1B keeps in flight.
+The parts are comparable one by one with ``theory.memory_per_rank``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    s = t.untyped_storage()
+    return s.data_ptr(), s.nbytes()
+
+
+def _tensors(value, depth: int = 2):
+    if torch.is_tensor(value):
+        yield value
+    elif depth and isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v, depth - 1)
+    elif depth and isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v, depth - 1)
+
+
+class SavedActivations:
+    """``with SavedActivations(model) as saved: <forward>``; ``saved.bytes``: distinct storages autograd saved,
+    parameters (and their flat ZeRO buffers) excluded."""
+
+    def __init__(self, model: torch.nn.Module):
+        self._exclude = {_storage(p)[0] for p in model.parameters()}
+        self._seen: set[int] = set()
+        self.bytes = 0
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        ptr, nbytes = _storage(t)
+        if ptr and ptr not in self._exclude and ptr not in self._seen:
+            self._seen.add(ptr)
+            self.bytes += nbytes
+        return t
+
+    def __enter__(self) -> "SavedActivations":
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+
+def measure_state_memory(engine) -> dict[str, int]:
+    """Bytes of weights, optimizer, gradients and buffers held now by ``engine`` (a DeepSpeed engine, or any
+    object with ``.module`` and ``.optimizer``). Call at the accumulation boundary, before the optimizer
+    step: the gradient partition is full and (from the second step on) the optimizer's state exists."""
+    parts = {"weights": 0, "optimizer": 0, "gradients": 0, "buffers": 0}
+    seen: set[int] = set()
+
+    def add(part: str, tensors) -> None:
+        for t in tensors:
+            ptr, nbytes = _storage(t)
+            if ptr and ptr not in seen:
+                seen.add(ptr)
+                parts[part] += nbytes
+
+    module, zero = engine.module, engine.optimizer
+    inner = getattr(zero, "optimizer", zero)  # the wrapped torch optimizer under ZeRO
+    partitioned = zero is not inner
+    add("weights", (p.detach() for p in module.parameters()))
+    if not partitioned:  # plain data parallel: the .grad tensors are the gradients
+        add("gradients", (p.grad for p in module.parameters() if p.grad is not None))
+    add("optimizer", _tensors(getattr(zero, "single_partition_of_fp32_groups", []), 1))
+    add("optimizer", (t for state in inner.state.values() for t in _tensors(state, 1)))
+    for name in ("averaged_gradients", "grads_in_partition"):
+        add("gradients", _tensors(getattr(zero, name, None)))
+    add("gradients", (p.grad for p in getattr(zero, "single_partition_of_fp32_groups", []) if p.grad is not None))
+    # Under ZeRO a full .grad still alive here is a bucket not yet reduced and freed: a buffer.
+    add("buffers", (p.grad for p in module.parameters() if p.grad is not None))
+    if partitioned:
+        add("buffers", (t for value in vars(zero).values() for t in _tensors(value)))
+    return parts
