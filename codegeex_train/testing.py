@@ -5,7 +5,9 @@
 spawns 4 processes on a free port, builds the Topology in each, calls ``check_layer(topology, hidden=16)``
 on every rank and returns the per-rank return values. Any rank's exception fails the call with that
 rank's traceback; every collective has a timeout and the whole run a deadline, so a broken test fails
-instead of hanging CI. ``fn`` must be a module-level function (it is pickled into the spawned ranks).
+instead of hanging CI. ``fn`` must be a module-level function (it is pickled into the spawned ranks). Return plain
+values or numpy arrays, not torch tensors: a tensor comes back as a shared-memory handle that can vanish with its
+rank before the parent reads it (FileNotFoundError in multiprocessing's resource_sharer).
 """
 
 from __future__ import annotations
@@ -135,3 +137,49 @@ def codegeex_reference(module: str = "codegeex.torch.codegeex_model"):
 
         pytest.fail(f"the codegeex package is not installed ({e}); `make env` installs it: "
                     f"pip install --no-deps codegeex==1.0", pytrace=False)
+
+
+# --- What many tests repeat ----------------------------------------------------------------------------
+
+def tiny_model_args(num_layers: int = 2, hidden_size: int = 32, num_attention_heads: int = 4, seq_length: int = 32,
+                    max_position_embeddings: int = 64) -> list[str]:
+    """The model-shape flags of the suite's tiny model (seconds per run on CPU), to extend with a run's flags."""
+    return ["--num-layers", str(num_layers), "--hidden-size", str(hidden_size), "--num-attention-heads",
+            str(num_attention_heads), "--seq-length", str(seq_length), "--max-position-embeddings",
+            str(max_position_embeddings)]
+
+
+def read_metrics(run_dir) -> list[dict]:
+    """Every record of ``run_dir``/metrics.jsonl, in the order written (all splits, metadata too)."""
+    import json
+    from pathlib import Path
+
+    with open(Path(run_dir) / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def metrics_records(run_dir, split: str = "train") -> dict[int, dict]:
+    """One split's records of ``run_dir``/metrics.jsonl by iteration ("train", "valid", "test", ...); an iteration
+    logged twice (a run resumed into the same directory) keeps its last record."""
+    return {r["iteration"]: r for r in read_metrics(run_dir) if r.get("split", "train") == split}
+
+
+def write_indexed_dataset(prefix, documents, dtype=None) -> None:
+    """PREFIX.bin/.idx holding ``documents`` (sequences of token ids), one document each, in ``dtype``
+    (default int32): small hand-made corpora for the data and training tests."""
+    import numpy as np
+
+    from .data.indexed_dataset import IndexedDatasetBuilder
+
+    dtype = np.int32 if dtype is None else dtype
+    with IndexedDatasetBuilder(str(prefix), dtype) as builder:
+        for doc in documents:
+            builder.add_document(np.asarray(doc, dtype=dtype))
+
+
+def all_gather_tensor(tensor: torch.Tensor, group=None, dim: int | None = None):
+    """Every rank's ``tensor`` (same shape everywhere) in group-rank order: a list, or concatenated along ``dim``
+    (e.g. TP shards back into the full tensor)."""
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return parts if dim is None else torch.cat(parts, dim=dim)

@@ -24,12 +24,11 @@ from codegeex_train.safe_load import (
     safe_torch_load,
     verify_checkpoint_dir,
 )
-from codegeex_train.testing import run_distributed
+from codegeex_train.testing import run_distributed, tiny_model_args
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CONVERT = ROOT / "tools" / "convert_checkpoint.py"
-MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
-         "--max-position-embeddings", "64"]
+MODEL = tiny_model_args()
 
 
 class TouchOnUnpickle:

@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from codegeex_train.testing import tiny_model_args
+
 ROOT = Path(__file__).resolve().parent.parent
 TOOLS = ROOT / "tools"
 ERROR_LINE = re.compile(r"^(?:[\w.-]+: )?error: \S")
-MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
-         "--max-position-embeddings", "64"]
+MODEL = tiny_model_args()
 
 COMMANDS = {
     "preprocess_data": [sys.executable, str(TOOLS / "preprocess_data.py")],

@@ -3,14 +3,12 @@
 import torch
 import torch.distributed as dist
 
-from codegeex_train.testing import run_distributed
+from codegeex_train.testing import all_gather_tensor, run_distributed
 from codegeex_train.topology import DeepSpeedMPU
 
 
 def _members(group):
-    out = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, torch.tensor([dist.get_rank()]), group=group)
-    return [int(t) for t in out]
+    return [int(t) for t in all_gather_tensor(torch.tensor([dist.get_rank()]), group)]
 
 
 def describe_rank(topo):

@@ -6,7 +6,6 @@ same seed and compares its shard: forward outputs, input gradients, gathered wei
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from codegeex_train.tensor_parallel import (
@@ -16,7 +15,7 @@ from codegeex_train.tensor_parallel import (
     init_normal,
     vocab_parallel_cross_entropy,
 )
-from codegeex_train.testing import run_distributed
+from codegeex_train.testing import all_gather_tensor, run_distributed
 
 TOL = 1e-5
 B, S, H, OUT, V = 2, 5, 8, 12, 24
@@ -31,9 +30,7 @@ def _chunk(t, dim, topo):
 
 
 def _gather(shard, dim, topo):
-    parts = [torch.empty_like(shard) for _ in range(topo.tp_size)]
-    dist.all_gather(parts, shard.contiguous(), group=topo.tp_group)
-    return torch.cat(parts, dim=dim)
+    return all_gather_tensor(shard, topo.tp_group, dim=dim)
 
 
 def _close(actual, expected, what):

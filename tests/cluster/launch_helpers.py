@@ -1,6 +1,5 @@
 """Running ``scripts/pretrain_codegen.sh`` and the launchers as a user would, and finding their ranks."""
 
-import json
 import os
 import signal
 import subprocess
@@ -10,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from codegeex_train.testing import free_port
+from codegeex_train.testing import free_port, read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "pretrain_codegen.sh"
@@ -90,8 +89,7 @@ def wait_for_latest(output_dir, at_least: int, proc: subprocess.Popen, timeout: 
 
 
 def train_losses(output_dir) -> dict[int, float]:
-    rows = [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
-    return {r["iteration"]: r["loss"] for r in rows if r["split"] == "train"}
+    return {r["iteration"]: r["loss"] for r in read_metrics(output_dir) if r["split"] == "train"}
 
 
 def final_weights(output_dir) -> dict[str, torch.Tensor]:

@@ -4,19 +4,17 @@ and DP 2 across, launched the three ways clusters launch: `deepspeed --hostfile`
 --node_rank K` once per node, and `torchrun --nnodes 2`. Each run's losses equal the single-node run of the same
 configuration, and its start-up report shows the two nodes, with every TP group inside one."""
 
-import json
 import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from launch_helpers import ROOT, finish, script_env, start_script, train_losses
 
 from codegeex_train import pretrain
 from codegeex_train.cluster import RankPlace, cluster_report
-from codegeex_train.testing import free_port, run_distributed
+from codegeex_train.testing import free_port, read_metrics, run_distributed
 from codegeex_train.topology import ParallelDims
 
 ITERS = 6
@@ -55,7 +53,7 @@ def assert_two_nodes_reported(log: str, save, names: tuple[str, str]):
     for node_rank, (name, ranks) in enumerate(zip(names, ("0, 1", "2, 3"))):
         assert re.search(rf"  {re.escape(name)} \(node rank {node_rank}, host [^)]+\): ranks {ranks}\n", log), log
     assert "WARNING: TP group" not in log
-    meta = [json.loads(line) for line in (Path(save) / "metrics.jsonl").read_text().splitlines()]
+    meta = read_metrics(save)
     cluster = next(r["cluster"] for r in meta if r["split"] == "metadata")
     assert [(n["node"], n["ranks"]) for n in cluster["nodes"]] == [(names[0], [0, 1]), (names[1], [2, 3])]
     assert cluster["tp_groups"] == [[0, 1], [2, 3]] and cluster["tp_groups_spanning_nodes"] == []

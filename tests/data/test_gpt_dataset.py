@@ -16,7 +16,8 @@ from codegeex_train.data.gpt_dataset import (
     parse_data_prefix,
     split_document_ranges,
 )
-from codegeex_train.data.indexed_dataset import IndexedDatasetBuilder, MMapIndexedDataset
+from codegeex_train.data.indexed_dataset import MMapIndexedDataset
+from codegeex_train.testing import write_indexed_dataset
 
 TOKENS_PER_DOC_ID = 100  # document k holds tokens 100k, 100k+1, ...: a token names its document
 
@@ -26,9 +27,7 @@ def _write_corpus(prefix: str, n_docs: int = 10, seed: int = 0, base: int = 0) -
     docs = [
         (base + k) * TOKENS_PER_DOC_ID + np.arange(rng.integers(1, 40)) for k in range(n_docs)
     ]
-    with IndexedDatasetBuilder(prefix, np.uint16) as builder:
-        for doc in docs:
-            builder.add_document(doc)
+    write_indexed_dataset(prefix, docs, np.uint16)
     return docs
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from codegeex_train.evaluation import read_problems, write_jsonl
+from codegeex_train.testing import read_metrics
 from codegeex_train.training.metrics import read_offline_wandb_history
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,7 +53,7 @@ def test_samples_end_to_end(samples_file, tmp_path):
 
     expected = {"iteration": 7, "split": "humaneval", "humaneval_pass@1": pytest.approx(2 / 3),
                 "humaneval_pass@2": 1.0, "humaneval_tasks": 3, "humaneval_samples_per_task": 2}
-    assert [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [expected]
+    assert read_metrics(run_dir) == [expected]
     runs = list((run_dir / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     rows = read_offline_wandb_history(runs[0])
@@ -62,7 +63,7 @@ def test_samples_end_to_end(samples_file, tmp_path):
     again = run_tool("--samples", tmp_path / "results.jsonl", "--tasks", 3, "--run-dir", run_dir, "--workers", 2,
                      "--timeout", 20)
     assert again.returncode == 0, again.stderr
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(run_dir)
     assert len(records) == 2 and records[1]["iteration"] == 0 and records[1]["humaneval_pass@1"] == pytest.approx(2 / 3)
 
 
@@ -126,7 +127,7 @@ def test_generate_from_a_checkpoint_and_score(tiny_checkpoint, tmp_path):
     results = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert [(r["task_id"], r["sample"]) for r in results] == [(f"Tiny/{i}", j) for i in range(2) for j in range(3)]
     assert all(isinstance(r["completion"], str) and r["result"] for r in results)
-    record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text())
+    [record] = read_metrics(tmp_path / "run")
     assert record["iteration"] == 42 and record["split"] == "humaneval"
     assert set(record) == {"iteration", "split", "humaneval_pass@1", "humaneval_pass@2", "humaneval_tasks",
                            "humaneval_samples_per_task"}

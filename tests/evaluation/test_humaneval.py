@@ -8,6 +8,7 @@ import pytest
 
 from codegeex_train.evaluation import (HUMANEVAL_STOP, Sandbox, SandboxConfig, evaluate_humaneval, generate_samples,
                                        log_humaneval_metrics, read_problems, select_tasks)
+from codegeex_train.testing import read_metrics
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,6 @@ def test_metrics_record_appended_to_the_run(tmp_path):
     metrics = {"humaneval_pass@1": 0.5, "humaneval_tasks": 2, "humaneval_samples_per_task": 1}
     log_humaneval_metrics(tmp_path, 100, metrics)
     log_humaneval_metrics(tmp_path, 200, metrics)
-    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    lines = read_metrics(tmp_path)
     assert lines == [{"iteration": 100, "split": "humaneval", **metrics}, {"iteration": 200, "split": "humaneval",
                                                                             **metrics}]

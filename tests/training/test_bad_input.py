@@ -7,13 +7,12 @@ import pytest
 import torch.distributed as dist
 
 from codegeex_train import pretrain
-from codegeex_train.data.indexed_dataset import IndexedDatasetBuilder
 from codegeex_train.model.checkpoint import save_model_checkpoint
 from codegeex_train.model.config import ModelConfig
 from codegeex_train.model.sharding import split_state_dict
+from codegeex_train.testing import tiny_model_args, write_indexed_dataset
 
-MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
-         "--max-position-embeddings", "64"]
+MODEL = tiny_model_args()
 
 
 def fails_with(capsys, argv, *fragments):
@@ -28,12 +27,6 @@ def fails_with(capsys, argv, *fragments):
     return err[0]
 
 
-def _write_dataset(prefix, documents, dtype):
-    with IndexedDatasetBuilder(str(prefix), dtype) as builder:
-        for doc in documents:
-            builder.add_document(np.asarray(doc, dtype=dtype))
-
-
 def test_missing_data_path(capsys, tmp_path):
     fails_with(capsys, MODEL + ["--data-path", str(tmp_path / "nope")], "--data-path", "nope.idx",
                "tools/preprocess_data.py")
@@ -41,12 +34,12 @@ def test_missing_data_path(capsys, tmp_path):
 
 
 def test_empty_corpus(capsys, tmp_path):
-    _write_dataset(tmp_path / "empty", [], np.uint16)
+    write_indexed_dataset(tmp_path / "empty", [], np.uint16)
     fails_with(capsys, MODEL + ["--data-path", str(tmp_path / "empty")], "no documents")
 
 
 def test_token_ids_beyond_the_vocabulary(capsys, tmp_path):
-    _write_dataset(tmp_path / "big", [[1, 2, 3], [9000, 4]], np.int32)  # the shipped tokenizer has 8192 ids
+    write_indexed_dataset(tmp_path / "big", [[1, 2, 3], [9000, 4]], np.int32)  # the shipped tokenizer has 8192 ids
     fails_with(capsys, MODEL + ["--data-path", str(tmp_path / "big")], "token id 9000", "8192", "--tokenizer")
 
 

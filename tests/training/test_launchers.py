@@ -1,11 +1,10 @@
 """The entry point under the real launchers (the only tests that do not spawn ranks in-process)."""
 
-import json
 import os
 import subprocess
 import sys
 
-from codegeex_train.testing import free_port
+from codegeex_train.testing import free_port, read_metrics
 
 
 def test_torchrun_two_ranks(tmp_path, tiny_data):
@@ -19,6 +18,6 @@ def test_torchrun_two_ranks(tmp_path, tiny_data):
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "iteration        2/       2" in out.stdout
-    rows = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(save)
     assert [r["iteration"] for r in rows if r["split"] == "train"] == [1, 2]
     assert (save / "latest").read_text() == "iter_0000002"
