@@ -31,8 +31,10 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
 class LRSchedule:
     """Linear warm-up to ``lr``, then constant, linear or cosine decay to ``min_lr`` at ``decay_iters``.
 
-    Follows the LR-scheduler protocol DeepSpeed expects (``step``, ``get_lr``, ``state_dict``); stepped
-    once per optimizer step, so the rate of step n is ``lr_at(n)``.
+    Follows the LR-scheduler protocol DeepSpeed expects (``step``, ``get_lr``, ``state_dict``); DeepSpeed steps
+    it after each optimizer step, so optimizer step n (1-based) uses ``lr_at(n - 1)`` (step 1 runs at
+    ``lr_at(0)``, 0 with warm-up, as in Megatron), and the ``lr`` logged at iteration n is ``lr_at(n)``: the
+    rate of the next step.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, cfg: OptimConfig, train_iters: int):
