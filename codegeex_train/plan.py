@@ -47,7 +47,7 @@ PRESETS = {
     "codegeex-13b": dict(num_layers=39, hidden_size=5120, num_attention_heads=40, ffn_hidden_size=20480,
                          vocab_size=52224, max_position_embeddings=2048, seq_length=2048, global_batch_size=3072,
                          dtype="fp16", world_size=1536, gpus_per_node=8, gpu_memory_gb=32, peak_tflops=256,
-                         intra_node_gbps=240, inter_node_gbps=100),
+                         intra_node_gbps=240, inter_node_gbps=100, fused_attention=False),
 }
 
 
@@ -58,7 +58,7 @@ def from_preset(name: str) -> tuple[ModelConfig, "Cluster", dict]:
                         num_attention_heads=v["num_attention_heads"], ffn_hidden_size=v["ffn_hidden_size"],
                         max_position_embeddings=v["max_position_embeddings"], vocab_size=v["vocab_size"])
     cluster = Cluster(**{k: v[k] for k in ("world_size", "gpus_per_node", "gpu_memory_gb", "peak_tflops",
-                                           "intra_node_gbps", "inter_node_gbps")})
+                                           "intra_node_gbps", "inter_node_gbps", "fused_attention")})
     return model, cluster, {"seq_length": v["seq_length"], "global_batch_size": v["global_batch_size"],
                             "dtype_bytes": 4 if v["dtype"] == "fp32" else 2}
 
@@ -76,6 +76,9 @@ class Cluster:
     inter_node_gbps: float = 200.0
     efficiency: float = 0.5  # achievable fraction of peak for the model's GEMMs (Megatron reaches ~0.4-0.55)
     overhead_gb: float = 2.0  # CUDA context, NCCL buffers, fragmentation: GiB on top of theory's parts
+    # A fused attention kernel (flash / memory-efficient SDPA: what this stack runs on CUDA) keeps no s x s
+    # probabilities. CodeGeeX's 2022 MindSpore stack on Ascend had none: its preset sets False.
+    fused_attention: bool = True
 
 
 @dataclass
@@ -177,7 +180,7 @@ def _ring_seconds(counted_bytes: int, group: int, gbps: float) -> float:
 
 def evaluate(model: ModelConfig, cluster: Cluster, *, seq_length: int, global_batch_size: int, tp: int, pp: int,
              micro_batch_size: int, checkpoint_activations: bool, dtype_bytes: int = 2,
-             stage_layers: tuple[int, ...] | None = None) -> Row:
+             stage_layers: tuple[int, ...] | None = None, device: str = "cuda") -> Row:
     """Memory, traffic and step time of one layout (no constraint checks beyond the arithmetic)."""
     dp = cluster.world_size // (tp * pp)
     m = global_batch_size // (micro_batch_size * dp)
@@ -185,7 +188,8 @@ def evaluate(model: ModelConfig, cluster: Cluster, *, seq_length: int, global_ba
         stage_layers = _best_split(tuple(sorted(vars(model).items())), model.num_layers, pp)
     w = Workload(model=model, seq_length=seq_length, micro_batch_size=micro_batch_size, num_microbatches=m,
                  tp=tp, pp=pp, dp=dp, stage_layers=stage_layers, dtype_bytes=dtype_bytes,
-                 checkpoint_activations=checkpoint_activations)
+                 checkpoint_activations=checkpoint_activations,
+                 device=device if cluster.fused_attention else "unfused")
     stages = range(pp)
     mems = [memory_per_rank(w, i) for i in stages]
     comms = [comm_bytes_per_step(w, i) for i in stages]
@@ -338,6 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--inter-node-gbps", type=pfloat, help="per-GPU link between nodes, Gb/s (bits)")
     c.add_argument("--efficiency", type=pfloat, help="achievable fraction of peak (default 0.5)")
     c.add_argument("--overhead-gb", type=float, help="GiB per GPU beyond theory's parts (default 2)")
+    c.add_argument("--unfused-attention", dest="fused_attention", action="store_const", const=False,
+                   help="the devices have no fused (flash) attention: attention keeps its s x s probabilities "
+                        "(set by --config codegeex-13b: MindSpore on Ascend)")
     p.add_argument("--top", type=pint, default=10, help="rows to print (default 10)")
     p.add_argument("--all", action="store_true", help="also list layouts that do not fit")
     return p
@@ -362,7 +369,8 @@ def main(argv: list[str] | None = None) -> None:
                         top_query_layer=not values["no_top_query_layer"],
                         vocab_size=values["vocab_size"])
     cluster = Cluster(**{k: values[k] for k in ("world_size", "gpus_per_node", "gpu_memory_gb", "peak_tflops",
-                                                "intra_node_gbps", "inter_node_gbps", "efficiency", "overhead_gb")
+                                                "intra_node_gbps", "inter_node_gbps", "efficiency", "overhead_gb",
+                                                "fused_attention")
                          if k in values})
     dtype = values.get("dtype", "bf16")
     try:

@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> TrainState:
                           post_process=topology.is_last_stage, layer_numbers=plan.stage_layers[topology.pp_rank],
                           checkpoint_activations=t.checkpoint_activations, device=device)
     mark_shared_embedding_copy(model, topology)
-    workload = Workload.from_run(args, plan, ds_config)
+    workload = Workload.from_run(args, plan, ds_config, device.type)
     if topology.rank == 0:
         print(model_summary(model, args.model, topology.tp_size, topology.pp_size), flush=True)
         print(expected_memory_report(workload), flush=True)

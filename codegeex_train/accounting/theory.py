@@ -30,17 +30,19 @@ class Workload:
     zero_stage: int = 2
     reduce_bucket_size: int = 500_000_000  # DeepSpeed's defaults, in elements
     allgather_bucket_size: int = 500_000_000
+    device: str = "cuda"  # where SDPA runs: decides whether attention keeps its s x s probabilities
 
     @classmethod
-    def from_run(cls, args, plan, ds_config: dict | None = None) -> "Workload":
-        """The workload of a training run (parsed ``Args``, its ``BatchPlan`` and DeepSpeed config)."""
+    def from_run(cls, args, plan, ds_config: dict | None = None, device: str = "cpu") -> "Workload":
+        """The workload of a training run (parsed ``Args``, its ``BatchPlan``, DeepSpeed config, device type)."""
         t, dims, zero = args.train, plan.dims, (ds_config or {}).get("zero_optimization", {})
         return cls(args.model, t.seq_length, plan.micro_batch_size, plan.num_microbatches, dims.tp_size,
                    dims.pp_size, dims.dp_size, tuple(len(r) for r in plan.stage_layers),
                    dtype_bytes=2 if (t.bf16 or t.fp16) else 4, checkpoint_activations=t.checkpoint_activations,
                    zero_stage=t.zero_stage,
                    reduce_bucket_size=int(zero.get("reduce_bucket_size", cls.reduce_bucket_size)),
-                   allgather_bucket_size=int(zero.get("allgather_bucket_size", cls.allgather_bucket_size)))
+                   allgather_bucket_size=int(zero.get("allgather_bucket_size", cls.allgather_bucket_size)),
+                   device=device)
 
     def layers_on(self, pp_rank: int) -> int:
         if self.stage_layers:
@@ -137,15 +139,29 @@ def comm_bytes_per_step(w: Workload, pp_rank: int = 0) -> dict[str, int]:
 
 # ------------------------------------------------------------------------------------------------- memory
 
+def fused_attention(w: Workload) -> bool:
+    """Whether SDPA runs a fused kernel that keeps no s x s probabilities: always on CUDA (flash or
+    memory-efficient, dropout included); on CPU only without attention dropout (else torch's math path)."""
+    return w.device == "cuda" or w.model.attention_dropout == 0.0
+
+
 def activation_bytes_per_microbatch(w: Workload, pp_rank: int = 0) -> int:
     """Bytes autograd keeps for one micro-batch's backward on one rank (Korthikanti et al. 2022, with the
-    element size a parameter: per layer (4e + 2) sbh replicated + 12e sbh / t + (2e + 1) a s^2 b / t, masks
-    one byte). With recompute a layer keeps only its input (e sbh) until its backward rebuilds the rest."""
+    element size a parameter): per layer (4e + 2) sbh replicated (two LayerNorm inputs, the two column-parallel
+    inputs, two one-byte dropout masks) + (4e + 2e ffn/h) sbh / t (Q, K, V, the attention output; the MLP's
+    activation input and output), plus the attention itself: with a fused kernel its output (e sbh / t) and
+    fp32 log-sum-exp (4 a s b / t); on torch's math path the s x s probabilities, the dropout mask in the compute
+    dtype and the dropped probabilities (3e a s^2 b / t). With recompute a layer keeps only its input (e sbh)
+    until its backward rebuilds the rest."""
     m = w.model
     b, s, h, a, e, t = w.micro_batch_size, w.seq_length, m.hidden_size, m.num_attention_heads, w.dtype_bytes, w.tp
     sbh = s * b * h
     sharded = (4 * e * h + 2 * e * m.ffn_hidden_size) * s * b  # Q, K, V, dense input; activation in and out
-    per_layer = (4 * e + 2) * sbh + sharded // t + (2 * e + 1) * a * s * s * b // t
+    if fused_attention(w):
+        attention = e * sbh // t + 4 * a * s * b // t
+    else:
+        attention = 3 * e * a * s * s * b // t
+    per_layer = (4 * e + 2) * sbh + sharded // t + attention
     layers = w.layers_on(pp_rank) + (1 if w.last(pp_rank) and m.top_query_layer else 0)
     if w.checkpoint_activations:
         total = layers * e * sbh + per_layer  # inputs kept, one layer rebuilt at a time

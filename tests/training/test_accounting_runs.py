@@ -15,6 +15,9 @@ from codegeex_train.model.config import ModelConfig
 from codegeex_train.testing import run_distributed
 
 LAYOUTS = [(2, 2, 1), (1, 2, 2)]  # (TP, PP, DP)
+# Attention dropout decides what SDPA keeps on CPU: none -> the fused kernel (no s x s probabilities), 0.1 ->
+# torch's math path (three s x s tensors). One layout each, so both activation formulas are measured.
+DROPOUT = {(2, 2, 1): "0.0", (1, 2, 2): "0.1"}
 H, LAYERS, SEQ, MICRO, GLOBAL = 32, 2, 32, 2, 8
 
 
@@ -32,7 +35,8 @@ def runs(tmp_path_factory, tiny_data):
                 "--global-batch-size", str(GLOBAL), "--train-iters", "3", "--log-interval", "1",
                 "--eval-interval", "2", "--eval-iters", "1", "--data-path", tiny_data, "--split", "90,9,1",
                 "--save", save, "--save-interval", "1000", "--no-progress-bar", "--num-workers", "0",
-                "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
+                "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+                "--attention-dropout", DROPOUT[(tp, pp, dp)], "--hidden-dropout", DROPOUT[(tp, pp, dp)]]
         run_distributed(run_pretrain, world_size=tp * pp * dp, tp_size=tp, pp_size=pp, deadline_s=600, argv=argv)
         with open(os.path.join(save, "metrics.jsonl")) as f:
             rows = [json.loads(line) for line in f]
@@ -77,11 +81,12 @@ def test_planner_predicts_the_measured_run(runs, layout):
     tp, pp, dp = layout
     rows = runs[layout]
     memory = split(rows, "memory")[0]
+    dropout = float(DROPOUT[layout])
     model = ModelConfig(num_layers=LAYERS, hidden_size=H, num_attention_heads=4, max_position_embeddings=64,
-                        vocab_size=default_tokenizer().vocab_size)  # what pretraining uses without --tokenizer-type
+                        vocab_size=default_tokenizer().vocab_size, attention_dropout=dropout, hidden_dropout=dropout)  # what pretraining uses without --tokenizer-type
     row = planner.evaluate(model, planner.Cluster(world_size=tp * pp * dp, gpus_per_node=4), seq_length=SEQ,
                            global_batch_size=GLOBAL, tp=tp, pp=pp, micro_batch_size=MICRO,
-                           checkpoint_activations=False, dtype_bytes=4, stage_layers=(1, 1))
+                           checkpoint_activations=False, dtype_bytes=4, stage_layers=(1, 1), device="cpu")
     measured = split(rows, "train")[-1]  # the last stage: the largest traffic of the two stages here
     for group in ("tp", "pp", "dp", "embedding"):
         assert row.comm_bytes[group] == pytest.approx(measured[f"comm_{group}_bytes"], rel=0.10, abs=64), group
