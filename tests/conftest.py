@@ -1,6 +1,6 @@
 """Suite-wide environment (CPU DeepSpeed with a per-checkout JIT cache, nothing from the network) and the
-fixtures every end-to-end test uses: DeepSpeed's CPU comm op built once up front, and a tiny preprocessed
-corpus (a slice of the Python stdlib with the shipped tokenizer)."""
+fixture every end-to-end test uses: a tiny preprocessed corpus (a slice of the Python stdlib with the shipped
+tokenizer). DeepSpeed's one CPU JIT op (an inference-only all-reduce) is never built: pretrain.py skips it."""
 
 import os
 from pathlib import Path
@@ -9,8 +9,7 @@ import pytest
 
 _ROOT = Path(__file__).resolve().parent.parent
 
-# Spawned ranks inherit these. The DeepSpeed CPU comm op is JIT-built once into this cache
-# (40-75 s) and reused by every later test and run of this checkout.
+# Spawned ranks inherit these. Any DeepSpeed JIT build (none in training) would land in this checkout's cache.
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(_ROOT / ".cache" / "torch_extensions"))
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -22,18 +21,7 @@ os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 
 @pytest.fixture(scope="session")
-def deepspeed_ops():
-    # The first deepspeed.initialize JIT-builds this op (40-75 s) into TORCH_EXTENSIONS_DIR. Building it
-    # here, once, keeps that out of the spawned ranks' collective timeouts; later loads take milliseconds.
-    from deepspeed.accelerator import get_accelerator
-
-    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-    if builder is not None and builder.is_compatible():
-        builder.load()
-
-
-@pytest.fixture(scope="session")
-def tiny_data(tmp_path_factory, deepspeed_ops) -> str:
+def tiny_data(tmp_path_factory) -> str:
     from codegeex_train.data.default_corpus import default_corpus_files  # after the environment above
     from codegeex_train.data.preprocess import TokenizerSpec, preprocess
 

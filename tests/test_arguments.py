@@ -44,7 +44,9 @@ def test_batch_arithmetic_is_derived_once():
     assert (plan.dims.dp_size, plan.num_microbatches, plan.global_batch_size) == (4, 4, 32)
     default = validate(args_for("--micro-batch-size", "3"), world_size=2)
     assert default.global_batch_size == 6 and default.num_microbatches == 1
-    assert validate(args_for("--learning-rate", "0.5"), 1) and args_for("--learning-rate", "0.5").optim.lr == 0.5
+    # --learning-rate is Megatron's alias of --lr: both set the same field, to a value that is not the default.
+    assert args_for().optim.lr != 0.5
+    assert args_for("--learning-rate", "0.5").optim.lr == args_for("--lr", "0.5").optim.lr == 0.5
 
 
 @pytest.mark.parametrize("argv,world,message", [
@@ -64,13 +66,16 @@ def test_invalid_combinations(argv, world, message):
 
 
 def test_deepspeed_config_flows_from_flags():
-    args = args_for("--micro-batch-size", "2", "--global-batch-size", "16", "--clip-grad", "0.5", "--bf16")
+    # Every value below differs from its default (micro-batch 4, clip 1.0, fp32, ZeRO stage 2), so each
+    # assert sees the flag's value arrive rather than a default.
+    args = args_for("--micro-batch-size", "2", "--global-batch-size", "16", "--clip-grad", "0.5", "--bf16",
+                    "--zero-stage", "1")
     plan = validate(args, 4)
     cfg = build_deepspeed_config(args, plan, {"zero_optimization": {"reduce_bucket_size": 1000}})
     assert cfg["train_batch_size"] == 16 and cfg["train_micro_batch_size_per_gpu"] == 2
     assert cfg["gradient_accumulation_steps"] == 2 and cfg["gradient_clipping"] == 0.5
     assert cfg["bf16"]["enabled"] is True and cfg["fp16"]["enabled"] is False
-    assert cfg["zero_optimization"] == {"reduce_bucket_size": 1000, "stage": 2, "contiguous_gradients": True,
+    assert cfg["zero_optimization"] == {"reduce_bucket_size": 1000, "stage": 1, "contiguous_gradients": True,
                                         "overlap_comm": False}
     fp16 = args_for("--fp16")
     assert build_deepspeed_config(fp16, validate(fp16, 1))["fp16"]["loss_scale"] == 0  # dynamic
@@ -93,9 +98,13 @@ def test_deepspeed_json_contradictions_name_both(user, message):
 def test_shipped_deepspeed_configs_are_consistent(name, precision):
     with open(f"ds_configs/{name}.json") as f:
         user = json.load(f)
-    args = args_for(*precision)
-    cfg = build_deepspeed_config(args, validate(args, 1), user)
-    assert cfg["zero_optimization"]["stage"] == 2 and cfg["gradient_clipping"] == 1.0
+    # Non-default flags (clip 1.0, micro-batch 4 and no accumulation by default) must reach the config beside the
+    # file's own settings, which must survive untouched.
+    args = args_for(*precision, "--clip-grad", "0.25", "--micro-batch-size", "2", "--global-batch-size", "8")
+    cfg = build_deepspeed_config(args, validate(args, 2), user)
+    assert cfg["gradient_clipping"] == 0.25 and cfg["gradient_accumulation_steps"] == 2
+    assert cfg["train_micro_batch_size_per_gpu"] == 2 and cfg["train_batch_size"] == 8
+    assert cfg["zero_optimization"] == user["zero_optimization"]  # the file's settings, untouched
     if precision:  # a GPU config used without its precision flag is a contradiction, not a silent switch
         plain = args_for()
         with pytest.raises(ConfigError, match=precision[0]):

@@ -1,10 +1,14 @@
-"""What crosses the wire: collectives are counted by wrapping torch.distributed inside each rank."""
+"""What crosses the wire: collectives are counted inside each rank by the library's CommCounter, which wraps
+torch.distributed and records (op, group name, bytes); an all-reduce of N bytes counts 2N."""
+
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from codegeex_train.accounting import CommCounter
 from codegeex_train.tensor_parallel import (
     MODEL_PARALLEL_RNG,
     ColumnParallelLinear,
@@ -15,70 +19,45 @@ from codegeex_train.tensor_parallel import (
 from codegeex_train.testing import RankFailure, run_distributed
 
 B, S, H = 2, 8, 16
-
-
-class CollectiveLog:
-    """Records (name, elements) for every collective issued while active."""
-
-    NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
-             "broadcast", "all_to_all", "send", "recv")
-
-    def __init__(self):
-        self.calls = []
-
-    def __enter__(self):
-        self._saved = {n: getattr(dist, n) for n in self.NAMES}
-        for name, original in self._saved.items():
-            def wrapped(tensor, *args, _name=name, _orig=original, **kwargs):
-                numel = sum(t.numel() for t in tensor) if isinstance(tensor, list) else tensor.numel()
-                self.calls.append((_name, numel))
-                return _orig(tensor, *args, **kwargs)
-            setattr(dist, name, wrapped)
-        return self
-
-    def __exit__(self, *exc):
-        for name, original in self._saved.items():
-            setattr(dist, name, original)
-
-    def take(self):
-        calls, self.calls = self.calls, []
-        return calls
+FP32 = 4  # bytes per element: CommCounter counts bytes, not elements
 
 
 def count_mlp(topo):
     column = ColumnParallelLinear(H, 4 * H, topo.tp_group, gather_output=False)
     row = RowParallelLinear(4 * H, H, topo.tp_group, input_is_parallel=True)
     x = torch.randn(B, S, H, requires_grad=True)
-    with CollectiveLog() as log:
+    with CommCounter(topo.named_groups(), record=True) as comm:
         y = row(F.gelu(column(x)))
-        forward = log.take()
+        forward = list(comm.calls)
         y.sum().backward()
-        backward = log.take()
+        backward = comm.calls[len(forward):]
     return forward, backward
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_parallel_mlp_one_all_reduce_each_way(tp):
     # Seed 000: an MLP moves 4*phi per layer, phi = b*s*h: one all-reduce (2*phi) forward, one backward.
+    phi = B * S * H * FP32
     for forward, backward in run_distributed(count_mlp, world_size=tp, tp_size=tp):
-        assert forward == [("all_reduce", B * S * H)]
-        assert backward == [("all_reduce", B * S * H)]
+        assert forward == [("all_reduce", "tp", 2 * phi)]
+        assert backward == [("all_reduce", "tp", 2 * phi)]
 
 
 def count_cross_entropy(topo, vocab):
     logits = torch.randn(B, S, vocab // topo.tp_size, requires_grad=True)
     target = torch.randint(0, vocab, (B, S))
-    with CollectiveLog() as log:
+    with CommCounter(topo.named_groups(), record=True) as comm:
         vocab_parallel_cross_entropy(logits, target, topo.tp_group).sum().backward()
-    return log.take()
+    return comm.calls
 
 
 def test_vocab_parallel_cross_entropy_moves_per_token_numbers_only():
     small = run_distributed(count_cross_entropy, world_size=2, tp_size=2, vocab=64)
     large = run_distributed(count_cross_entropy, world_size=2, tp_size=2, vocab=4096)
     for calls in small + large:
-        assert {name for name, _ in calls} == {"all_reduce"}
-        assert sum(n for _, n in calls) <= 3 * B * S  # row max, then sum-exp and target logit together
+        assert {(op, group) for op, group, _ in calls} == {("all_reduce", "tp")}
+        # row max, then sum-exp and target logit together: 3 fp32 numbers per token, all-reduced (2x)
+        assert sum(n for _, _, n in calls) <= 2 * 3 * B * S * FP32
     assert small == large, "traffic must not grow with the vocabulary"
 
 
@@ -123,9 +102,16 @@ def test_harness_reports_failing_rank():
 def hang_on_rank_zero(topo):
     if topo.rank == 0:
         dist.all_reduce(torch.ones(1))  # rank 1 never joins
+    else:
+        # Stay alive without joining: a rank that returned would close its connections, and rank 0 would fail
+        # with gloo's "Connection closed by peer" instead of the time-out under test.
+        time.sleep(60)
     return topo.rank
 
 
 def test_harness_times_out_instead_of_hanging():
-    with pytest.raises(RankFailure, match="rank 0"):
+    # Rank 0 must fail with gloo's time-out at the harness's collective_timeout_s (3000 ms), not with any other
+    # error, and the silent rank 1 must be killed (it would otherwise sleep 60 s, past the 30 s deadline).
+    with pytest.raises(RankFailure, match=r"(?s)ranks \[1\] did not finish.*--- rank 0 ---.*"
+                                          r"RuntimeError: \S*gloo\S* Timed out waiting 3000ms"):
         run_distributed(hang_on_rank_zero, world_size=2, collective_timeout_s=3, deadline_s=30)

@@ -79,7 +79,9 @@ def megatron():
             warnings.simplefilter("ignore")
             from megatron.core.datasets import indexed_dataset
     except ImportError as err:  # pragma: no cover - megatron-core is a dev dependency
-        pytest.skip(f"megatron-core not importable: {err}")
+        # The independent reference for the file format: fail, never skip, so CI cannot pass without it.
+        pytest.fail(f"megatron-core is not importable ({err}); `make env` installs it "
+                    f"(pip install -e .[dev])", pytrace=False)
     return indexed_dataset
 
 

@@ -194,7 +194,11 @@ def test_gpt2_bpe_files_match_tokenizer_json(tmp_path, plain_bpe_path):
 
 @pytest.fixture(scope="module")
 def sentencepiece_model(tmp_path_factory) -> str:
-    sentencepiece = pytest.importorskip("sentencepiece")
+    try:
+        import sentencepiece
+    except ImportError as err:  # a dev dependency: fail, never skip, so CI cannot pass without it
+        pytest.fail(f"sentencepiece is not importable ({err}); `make env` installs it (pip install -e .[dev])",
+                    pytrace=False)
     root = tmp_path_factory.mktemp("sp")
     files = default_corpus_files(limit_bytes=60_000)
     lines = [line for p in files for line in p.read_text().splitlines() if line.strip()]

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from model_helpers import dense_logits, gather_full, hf_batch, make_batch, max_err, tiny_config
 
+from codegeex_train.accounting import CommCounter
 from codegeex_train.model import (
     CodeGeeXModel,
     ModelConfigError,
@@ -139,40 +140,33 @@ def _checkpointed(topo) -> dict:
 
 
 def _all_reduce_counts(topo) -> dict:
-    """(forward, backward) all-reduces of the MLP and the attention block."""
+    """(forward, backward) collectives of the MLP and the attention block, as CommCounter's (op, group, bytes)."""
     config = tiny_config()
     block = ParallelTransformerLayer(config, topo.tp_group, None, ParamInit(1, 0.2, 2), "layers.0.")
-    calls, real = [], dist.all_reduce
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
     out = {}
-    dist.all_reduce = counting
-    try:
+    with CommCounter(topo.named_groups(), record=True) as comm:
         for name in ("mlp", "attention"):
             x = torch.randn(2, 16, config.hidden_size, requires_grad=True)
-            calls.clear()
+            comm.calls.clear()
             y = getattr(block, name)(x)
-            forward = len(calls)
+            forward = list(comm.calls)
             y.sum().backward()
-            out[name] = (forward, len(calls) - forward)
-    finally:
-        dist.all_reduce = real
+            out[name] = (forward, comm.calls[len(forward):])
     return out
 
 
-def _bad_configs(topo) -> list[str]:
+def _bad_configs(topo) -> dict:
+    """The errors of two configs that TP 2 cannot split, and every collective issued while they were rejected."""
     messages = []
-    for bad in (dict(num_attention_heads=3, hidden_size=33), dict(vocab_size=99, make_vocab_size_divisible_by=3)):
-        try:
-            CodeGeeXModel(tiny_config(**bad), topo.tp_group, None)
-        except ModelConfigError as e:
-            messages.append(str(e))
+    with CommCounter(topo.named_groups(), record=True) as comm:
+        for bad in (dict(num_attention_heads=3, hidden_size=33), dict(vocab_size=99, make_vocab_size_divisible_by=3)):
+            try:
+                CodeGeeXModel(tiny_config(**bad), topo.tp_group, None)
+            except ModelConfigError as e:
+                messages.append(str(e))
     ok = torch.ones(1)
-    dist.all_reduce(ok, group=topo.tp_group)  # the ranks are still in step: no one entered a collective
-    return messages
+    dist.all_reduce(ok, group=topo.tp_group)  # the ranks are still in step
+    return {"messages": messages, "collectives": comm.calls}
 
 
 def _hf_logits(topo, ckpt_dir: str, config, hf_logits: torch.Tensor) -> float:
@@ -235,12 +229,15 @@ def test_activation_checkpointing_is_exact_with_dropout(tp2):
 
 
 def test_mlp_and_attention_all_reduce_once_forward_once_backward(tp2):
+    block_out = [("all_reduce", "tp", 2 * 2 * 16 * tiny_config().hidden_size * 4)]  # (2, 16, h) fp32, 2x
     for result in tp2:
-        assert result["all_reduces"] == {"mlp": (1, 1), "attention": (1, 1)}
+        assert result["all_reduces"] == {"mlp": (block_out, block_out), "attention": (block_out, block_out)}
 
 
 def test_bad_config_raises_before_any_collective(tp2):
-    for messages in (res["bad_configs"] for res in tp2):
+    for result in (res["bad_configs"] for res in tp2):
+        assert result["collectives"] == []  # counted, not inferred: nothing was issued before the errors
+        messages = result["messages"]
         assert len(messages) == 2
         assert "--num-attention-heads 3" in messages[0] or "--hidden-size 33" in messages[0]
         assert "padded vocabulary 99" in messages[1] and "--tensor-model-parallel-size 2" in messages[1]

@@ -78,8 +78,30 @@ def test_throughput_record():
     assert "mfu" not in throughput_record(2.0, 4096, 8e12, 4)
 
 
+def _proc_status_gib(field: str) -> float:
+    """A ``/proc/self/status`` size (``VmHWM``: peak RSS, ``VmRSS``: current), kB there, in GiB."""
+    with open("/proc/self/status") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+    return kib / 2**20
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the kernel's peak RSS from /proc")
 def test_memory_gb_on_cpu_is_peak_rss():
-    assert 0.01 < memory_gb(torch.device("cpu")) < 1024
+    import numpy as np
+
+    cpu = torch.device("cpu")
+    # The kernel's own high-water mark, read independently: a KiB/MiB/byte slip is a factor of 1024 off it.
+    before = memory_gb(cpu)
+    assert before == pytest.approx(_proc_status_gib("VmHWM"), rel=0.01)
+    # Push the peak 256 MiB above the previous one (the current RSS may sit below an earlier peak), with every
+    # page written so that it is resident: the reported peak must rise by that much, in GiB, and stay there once
+    # the buffer is freed (a peak, not the current RSS).
+    grow = _proc_status_gib("VmHWM") - _proc_status_gib("VmRSS") + 0.25
+    buffer = np.ones(int(grow * 2**30), dtype=np.uint8)
+    del buffer
+    after = memory_gb(cpu)
+    assert after - before == pytest.approx(0.25, abs=0.02)
+    assert after == pytest.approx(_proc_status_gib("VmHWM"), rel=0.01)
 
 
 def test_plain_record_converts_tensors_and_needs_iteration():

@@ -10,7 +10,7 @@ import torch
 
 from codegeex_train import pretrain
 from codegeex_train.model.checkpoint import read_latest, write_latest
-from codegeex_train.testing import run_distributed
+from codegeex_train.testing import RankFailure, read_metrics, run_distributed
 
 ITERS = 20
 
@@ -84,12 +84,15 @@ def test_resume_is_exact(tmp_path, tiny_data):
         assert b[it]["consumed_samples"] == a[it]["consumed_samples"] == 8 * it
 
 
+CRASH_EXIT_CODE = 13  # what the injected crash exits with: the harness must see this one, not another failure
+
+
 def crash_during_second_save(topology, argv):
     real_save = torch.save
 
     def save(obj, path, *args, **kwargs):
         if "iter_0000004" in str(path):
-            os._exit(13)  # killed while writing the second checkpoint
+            os._exit(CRASH_EXIT_CODE)  # killed while writing the second checkpoint
         return real_save(obj, path, *args, **kwargs)
 
     torch.save = save
@@ -98,12 +101,16 @@ def crash_during_second_save(topology, argv):
 
 def test_crash_mid_checkpoint_keeps_previous_latest(tmp_path, tiny_data):
     save = str(tmp_path / "crash")
-    with pytest.raises(AssertionError):
+    with pytest.raises(RankFailure, match=f"process exited with code {CRASH_EXIT_CODE} without reporting"):
         run_distributed(crash_during_second_save, world_size=2, tp_size=2, deadline_s=600,
                         argv=tiny_args(tiny_data, save, 4, "--save-interval", "2"))
     assert read_latest(save) == "iter_0000002"
+    crashed_lines = len(read_metrics(save))  # metrics.jsonl is appended to: what follows is the resumed run's
     resumed = train(tmp_path, tiny_data, "crash", 2, 2, "--load", save, "--save-interval", "2", iters=4)
-    assert sorted(records(resumed)) == [1, 2, 3, 4]  # 1-2 from the first run, 3-4 resumed after the crash
+    after = [r for r in read_metrics(resumed)[crashed_lines:] if r.get("split", "train") == "train"]
+    # It restarted from the last complete checkpoint (2), at its data position, and ran to the end.
+    assert [r["iteration"] for r in after] == [3, 4]
+    assert after[0]["consumed_samples"] == 8 * 3
     assert read_latest(save) == "iter_0000004"
 
 

@@ -84,3 +84,17 @@ def test_evaluation_runs_from_the_split_start_and_averages_its_batches(tmp_path,
     # Evaluated at iteration 2 with the final weights: equal only if it read the split's first batches again.
     assert valid[2]["valid_loss"] == pytest.approx(by_hand, rel=1e-5)
     assert valid[1]["valid_loss"] != pytest.approx(by_hand, rel=1e-5)  # the weights did change in between
+
+
+def train_quietly(topology, argv):
+    pretrain.main(argv)
+
+
+def test_training_builds_no_deepspeed_op(tmp_path, tiny_data, monkeypatch):
+    # DeepSpeed's CPU backend would JIT-compile its inference-only all-reduce (40-75 s on a fresh clone).
+    extensions = tmp_path / "torch_extensions"
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(extensions))  # the spawned rank inherits it
+    save = str(tmp_path / "quick")
+    run_distributed(train_quietly, world_size=1, argv=run_args(tiny_data, save, "--eval-interval", "1000"))
+    assert sorted(metrics_records(save)) == [1, 2]  # it trained
+    assert not extensions.exists() or not any(extensions.iterdir())
