@@ -13,9 +13,14 @@ export DS_ACCELERATOR ?= cpu
 
 env: $(VENV)/.installed
 
-$(VENV)/.installed: setup.py
+# Training needs the package alone; the tests add the dev extras (the independent references).
+$(VENV)/.installed-base: setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.installed-base
 	$(PY) -m pip install -q -e ".[dev]"
 	$(PY) -m pip install -q --no-deps codegeex==1.0
 	touch $@
@@ -33,7 +38,7 @@ cluster-deps:
 test: env cluster-deps
 	$(PY) -m pytest -q tests
 
-pretrain: env
+pretrain: $(VENV)/.installed-base
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH bash scripts/pretrain_codegen.sh
 
 bench: env

@@ -34,7 +34,7 @@ def small_run(run_dir: Path, scale: float = 1.0, comm: bool = True) -> Path:
     records = [{"iteration": 0, "split": "metadata", "cluster": {"nodes": []}}]
     for it in range(1, 9):
         extra = {"comm_tp_bytes": 4096.0 * scale, "comm_tp_bytes_theory": 4096.0 * scale,
-                 "comm_dp_bytes": 1e6} if comm else {}
+                 "comm_dp_bytes": 1e6, "comm_pp_bytes": 0.0} if comm else {}  # pp: moves nothing, not drawn
         records.append(train_record(it, scale * (9.0 - 0.5 * it), **extra))
     records += [{"iteration": 4, "split": "valid", "valid_loss": 7.5, "valid_ppl": 1808.0},
                 {"iteration": 8, "split": "valid", "valid_loss": 5.5, "valid_ppl": 244.7},

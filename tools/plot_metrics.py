@@ -179,7 +179,7 @@ def plot_runs(runs, labels: list[str] | None = None):
         for run, colour in zip(runs, colours):
             for key in comm_keys:
                 xs, ys = run.series("train", key)
-                if not xs:
+                if not xs or not any(ys):  # a group that moves nothing in this layout (e.g. TP at TP 1)
                     continue
                 style = "--" if _is_theory(key) else styles[measured.index(key) % len(styles)]
                 name = key.removeprefix("comm_").replace("_bytes", "")
