@@ -13,16 +13,17 @@ export DS_ACCELERATOR ?= cpu
 
 env: $(VENV)/.installed
 
-# Training needs the package alone; the tests add the dev extras (the independent references).
+# Training needs the package alone; the tests add the dev extras (the independent references). --no-compile:
+# byte-compiling every installed file (torch alone: ~20 s) is left to the imports that need it.
 $(VENV)/.installed-base: setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e .
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --no-compile torch==2.13.0
+	$(PY) -m pip install -q --no-compile -e .
 	touch $@
 
 $(VENV)/.installed: $(VENV)/.installed-base
-	$(PY) -m pip install -q -e ".[dev]"
-	$(PY) -m pip install -q --no-deps codegeex==1.0
+	$(PY) -m pip install -q --no-compile -e ".[dev]"
+	$(PY) -m pip install -q --no-compile --no-deps codegeex==1.0
 	touch $@
 
 # tests/cluster launches `deepspeed --hostfile` through pdsh and ssh to two loopback "hosts": it needs pdsh
