@@ -8,6 +8,8 @@ side (iterations interleaved ours/HF/HF/ours..., so drift on a shared machine hi
   HF    transformers.GPT2LMHeadModel(hf_gpt2_config(config)), the same shape, AdamW and DeepSpeed config
         (batch, sequence, clipping, precision), no mpu. HF has no tensor parallelism: at TP > 1 it runs on
         the same processes as pure DP with the same global batch (micro batch x DP / world per rank).
+  plain the same HF model trained by a plain PyTorch loop (AdamW, clip_grad_norm_), no DeepSpeed; only in
+        one-process layouts (1x1).
 
 tokens/s = global tokens per iteration / median iteration time after warm-up (an iteration: forward, backward,
 optimizer step; its time is the slowest rank's). Threads are split so all ranks together use --threads.
@@ -153,6 +155,46 @@ class HFStack(Stack):
         return self.engine(input_ids=ids, labels=ids).loss
 
 
+class PlainHFStack(HFStack):
+    """HF GPT-2 trained by a plain PyTorch loop, no DeepSpeed: the baseline a single-process user starts from
+    (the same AdamW groups, fused kernel, clipping by ``clip_grad_norm_``)."""
+
+    def __init__(self, model, optimizer, micro_batch_size: int, spec: BenchSpec, device: torch.device):
+        super().__init__("plain", model, None, 0, micro_batch_size, spec, device)
+        self.model, self.optimizer = model, optimizer
+
+    def loss(self, ids, labels):
+        return self.model(input_ids=ids, labels=ids).loss
+
+    def iteration(self, record: bool) -> None:
+        ids, labels = self.batch()
+        t0 = sync(self.device)
+        loss = self.loss(ids, labels)
+        t1 = sync(self.device)
+        loss.backward()
+        t2 = sync(self.device)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.optim.clip_grad)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        t3 = sync(self.device)
+        if record:
+            self.times.append([t1 - t0, t2 - t1, t3 - t2, t3 - t0])
+        self.losses.append(loss.detach())
+
+    def slowest_rank_times(self) -> torch.Tensor:
+        return torch.tensor(self.times, dtype=torch.float64)  # one process
+
+
+def build_plain_hf(spec: BenchSpec, device: torch.device) -> PlainHFStack:
+    from transformers import GPT2LMHeadModel
+
+    hf_config = hf_gpt2_config(spec.model)
+    hf_config.use_cache = False
+    torch.manual_seed(spec.seed)
+    model = GPT2LMHeadModel(hf_config).to(device)
+    return PlainHFStack(model, build_optimizer(model, spec.optim), spec.micro_batch_size, spec, device)
+
+
 def build_ours(topology: Topology, spec: BenchSpec, device: torch.device, layout: Layout) -> OurStack:
     import deepspeed
 
@@ -208,9 +250,11 @@ def bench_rank(topology: Topology, *, spec: BenchSpec, layout: Layout) -> dict |
     device = torch.device(spec.device, int(os.environ.get("LOCAL_RANK", "0"))) if spec.device == "cuda" \
         else torch.device("cpu")
     stacks = [build_ours(topology, spec, device, layout), build_hf(topology, spec, device, layout)]
+    if layout.world_size == 1:  # the plain-PyTorch baseline has no parallelism: one process only
+        stacks.append(build_plain_hf(spec, device))
     torch.set_num_threads(spec.threads_per_rank)  # in case initialisation changed it
     for i in range(spec.warmup_iters + spec.iters):
-        for stack in (stacks if i % 2 == 0 else stacks[::-1]):  # ours, HF, HF, ours, ...
+        for stack in (stacks if i % 2 == 0 else stacks[::-1]):  # ours, HF, plain, plain, HF, ours, ...
             stack.iteration(record=i >= spec.warmup_iters)
     times = {s.name: s.slowest_rank_times() for s in stacks}
     if topology.rank != 0:
@@ -218,7 +262,8 @@ def bench_rank(topology: Topology, *, spec: BenchSpec, layout: Layout) -> dict |
     summary = {"threads_per_rank": torch.get_num_threads(),
                "hf_attention": stacks[1].engine.module.config._attn_implementation}
     for s in stacks:
-        global_batch = s.micro_batch_size * (layout.dp_size if s.name == "ours" else layout.world_size)
+        global_batch = s.micro_batch_size * (layout.dp_size if s.name == "ours" else
+                                             1 if s.name == "plain" else layout.world_size)
         medians = dict(zip(PHASES, times[s.name].median(dim=0).values.tolist()))
         summary[s.name] = {
             "global_batch": global_batch,
@@ -247,7 +292,7 @@ def report(layout: Layout, spec: BenchSpec, r: dict) -> str:
     lines = [head]
     lines.append(f"  {'stack':5} {'tokens/s':>9} {'GFLOP/s':>8} {'iter ms':>8} {'fwd ms':>8} {'bwd ms':>8} "
                  f"{'step ms':>8}  {'loss first->last':>17}  iteration ms")
-    for name, s in (("ours", ours), ("HF", hf)):
+    for name, s in [("ours", ours), ("HF", hf)] + ([("plain", r["plain"])] if "plain" in r else []):
         m = s["median_s"]
         lines.append(f"  {name:5} {s['tokens_per_s']:9.0f} {gflop / m['total']:8.1f} {1e3 * m['total']:8.0f} "
                      f"{1e3 * m['forward']:8.0f} {1e3 * m['backward']:8.0f} {1e3 * m['step']:8.0f}  "
@@ -256,6 +301,9 @@ def report(layout: Layout, spec: BenchSpec, r: dict) -> str:
     ratio = ours["tokens_per_s"] / hf["tokens_per_s"]
     lines.append(f"  => {layout}: ours {ours['tokens_per_s']:.0f} tokens/s, HF {hf['tokens_per_s']:.0f} tokens/s, "
                  f"ours/HF = {ratio:.2f} (global batch {ours['global_batch']} x {spec.seq_length} tokens)")
+    if "plain" in r:
+        lines.append(f"  => {layout}: plain PyTorch HF {r['plain']['tokens_per_s']:.0f} tokens/s, ours/plain = "
+                     f"{ours['tokens_per_s'] / r['plain']['tokens_per_s']:.2f}")
     return "\n".join(lines)
 
 
@@ -311,10 +359,11 @@ def main(argv: list[str] | None = None) -> None:
             results.append((layout, r))
     if results:
         print("\nsummary (tokens/s; same global batch and hardware per row):")
-        print(f"  {'layout':12} {'ours':>8} {'HF':>8} {'ours/HF':>8}")
+        print(f"  {'layout':12} {'ours':>8} {'HF':>8} {'ours/HF':>8} {'plain':>8} {'ours/plain':>10}")
         for layout, r in results:
             o, h = r["ours"]["tokens_per_s"], r["HF"]["tokens_per_s"]
-            print(f"  {str(layout):12} {o:8.0f} {h:8.0f} {o / h:8.2f}")
+            plain = f"{r['plain']['tokens_per_s']:8.0f} {o / r['plain']['tokens_per_s']:10.2f}" if "plain" in r else ""
+            print(f"  {str(layout):12} {o:8.0f} {h:8.0f} {o / h:8.2f} {plain}")
 
 
 def run_launched(spec: BenchSpec, layout: Layout) -> dict | None:

@@ -36,8 +36,8 @@ def train_and_sample_rss(topology, argv, leak=None, remedy=True):
     samples, steps, kept = {}, [0], []
     real_step = trainer.train_step
 
-    def train_step(run, batches):
-        loss = real_step(run, batches)
+    def train_step(run, batches, *rest):
+        loss = real_step(run, batches, *rest)
         steps[0] += 1
         if steps[0] in SAMPLES:
             gc.collect()  # only garbage goes; what is still referenced (a leak) stays
