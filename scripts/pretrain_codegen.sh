@@ -40,8 +40,8 @@ case "$CONFIG" in
     MODEL_ARGS="--num-layers 4 --hidden-size 256 --num-attention-heads 8 --max-position-embeddings 256
                 --hidden-dropout 0.0 --attention-dropout 0.0 --activation fast_gelu"
     SEQ_LENGTH=${SEQ_LENGTH:-256}; MICRO_BATCH=${MICRO_BATCH:-8}; GLOBAL_BATCH=${GLOBAL_BATCH:-16}
-    TRAIN_ITERS=${TRAIN_ITERS:-200}; LR=${LR:-2e-3}; WARMUP=${WARMUP:-20}; EVAL_INTERVAL=100; SAVE_INTERVAL=100
-    LOG_INTERVAL=5 ;;
+    TRAIN_ITERS=${TRAIN_ITERS:-200}; LR=${LR:-2e-3}; WARMUP=${WARMUP:-10}; EVAL_INTERVAL=100; SAVE_INTERVAL=100
+    LOG_INTERVAL=10 ;;
   codegeex-13b)  # CodeGeeX-13B's shape: 39 layers + the top query layer, 40 heads of 128
     MODEL_ARGS="--num-layers 39 --hidden-size 5120 --num-attention-heads 40 --ffn-hidden-size 20480
                 --max-position-embeddings 2048 --activation fast_gelu --checkpoint-activations"
@@ -118,3 +118,18 @@ echo "codegeex_train: CONFIG=$CONFIG DEVICE=$DEVICE ranks/node=$NUM_GPUS TP=$TP 
 # succeeded by now: a plotting failure (no matplotlib, a custom --metrics-file, ...) only warns.
 "$PYTHON" "$ROOT/tools/plot_metrics.py" "$OUTPUT_DIR" -o "$OUTPUT_DIR/plots.png" \
   || echo "warning: no plots: tools/plot_metrics.py failed on $OUTPUT_DIR (the training run itself succeeded)" >&2
+
+# Where everything is, and what to run next.
+TAG=$(cat "$OUTPUT_DIR/latest" 2>/dev/null || echo "(none: no checkpoint saved)")
+cat <<SUMMARY
+
+codegeex_train: finished. Outputs in $OUTPUT_DIR:
+  checkpoint  $OUTPUT_DIR/$TAG (the 'latest' one; a relaunch resumes from it)
+  metrics     $OUTPUT_DIR/metrics.jsonl
+  plots       $OUTPUT_DIR/plots.png
+  log         $LOG
+Continue training (more iterations, same directory):
+  TRAIN_ITERS=$((TRAIN_ITERS * 2)) OUTPUT_DIR=$OUTPUT_DIR bash scripts/pretrain_codegen.sh
+Generate from it:
+  $(command -v "$PYTHON") tools/generate.py --load $OUTPUT_DIR --prompt 'def fibonacci(n):\n' --max-new-tokens 64
+SUMMARY

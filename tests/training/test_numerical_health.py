@@ -167,7 +167,7 @@ def test_ranks_agree_on_the_earliest_bad_iteration():
 
 
 def test_deepspeed_giving_up_on_the_loss_scale_is_the_same_error(monkeypatch, tmp_path):
-    def step(run, batches):
+    def step(run, batches, memory=None):
         raise Exception("Current loss scale already at minimum - cannot decrease scale anymore. Exiting run.")
 
     monkeypatch.setattr(trainer, "train_step", step)
