@@ -40,7 +40,7 @@ case "$CONFIG" in
     MODEL_ARGS="--num-layers 4 --hidden-size 256 --num-attention-heads 8 --max-position-embeddings 256
                 --hidden-dropout 0.0 --attention-dropout 0.0 --activation fast_gelu"
     SEQ_LENGTH=${SEQ_LENGTH:-256}; MICRO_BATCH=${MICRO_BATCH:-8}; GLOBAL_BATCH=${GLOBAL_BATCH:-16}
-    TRAIN_ITERS=${TRAIN_ITERS:-200}; LR=${LR:-2e-3}; WARMUP=${WARMUP:-10}; EVAL_INTERVAL=100; SAVE_INTERVAL=100
+    TRAIN_ITERS=${TRAIN_ITERS:-200}; LR=${LR:-2e-3}; WARMUP=${WARMUP:-20}; EVAL_INTERVAL=100; SAVE_INTERVAL=100
     LOG_INTERVAL=10 ;;
   codegeex-13b)  # CodeGeeX-13B's shape: 39 layers + the top query layer, 40 heads of 128
     MODEL_ARGS="--num-layers 39 --hidden-size 5120 --num-attention-heads 40 --ffn-hidden-size 20480
