@@ -33,16 +33,15 @@ _VOLUME = {
     "reduce_scatter_tensor": ("input", 1),
     "all_to_all_single": ("input", 1),
     "send": ("tensor", 1),
-    "batch_isend_irecv": ("p2p_op_list", 1),
+    "batch_isend_irecv": ("p2p_op_list", 1),  # counted op by op: the sends only
 }
 
 
 def _nbytes(value) -> int:
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
-    if isinstance(value, (list, tuple)):  # tensors, or P2POps: only the sends count
-        return sum(_nbytes(v.tensor) if isinstance(v, dist.P2POp) and v.op.__name__ == "isend"
-                   else 0 if isinstance(v, dist.P2POp) else _nbytes(v) for v in value)
+    if isinstance(value, (list, tuple)):  # tensor lists (all-gather outputs, reduce-scatter inputs)
+        return sum(_nbytes(v) for v in value)
     return 0
 
 

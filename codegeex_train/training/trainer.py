@@ -3,6 +3,7 @@ clip, step, LR) -> metrics, eval and checkpoints. PP = 1 runs the same loop with
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -52,7 +53,7 @@ class Run:
     tokenizer: object = None  # for --eval-humaneval-interval
     workload: Workload | None = None  # shapes and layout, for the predicted bytes and memory (accounting.theory)
 
-    @property
+    @functools.cached_property
     def comm_theory(self) -> dict | None:
         return None if self.workload is None else comm_bytes_per_step(self.workload, self.topology.pp_rank)
 
