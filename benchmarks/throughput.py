@@ -1,6 +1,6 @@
 """Training throughput: our stack vs Hugging Face GPT-2, both under the same DeepSpeed ZeRO-2 config.
 
-For each (TP, DP) layout, the same spawned ranks build two engines on random tokens and time them side by
+For each (TP, DP) layout, the same spawned ranks build the engines on random tokens and time them side by
 side (iterations interleaved ours/HF/HF/ours..., so drift on a shared machine hits both alike):
 
   ours  CodeGeeXModel (top query layer off, gelu_tanh, dropout 0) + our AdamW + ZeRO-2 with our mpu,
@@ -10,6 +10,9 @@ side (iterations interleaved ours/HF/HF/ours..., so drift on a shared machine hi
         the same processes as pure DP with the same global batch (micro batch x DP / world per rank).
   plain the same HF model trained by a plain PyTorch loop (AdamW, clip_grad_norm_), no DeepSpeed; only in
         one-process layouts (1x1).
+  mcore megatron-core's GPTModel (local layer spec, no fusions), the same shape, with megatron's tensor
+        parallelism at the layout's TP, trained by the same plain loop (clipping over the sharded model); only
+        in TP x 1 layouts with TP > 1, and only when megatron-core is installed (benchmarks/megatron_core_baseline.py).
 
 tokens/s = global tokens per iteration / median iteration time after warm-up (an iteration: forward, backward,
 optimizer step; its time is the slowest rank's). Threads are split so all ranks together use --threads.
@@ -82,6 +85,7 @@ class BenchSpec:
     device: str = "cpu"
     bf16: bool = False
     seed: int = 1234
+    megatron: bool = False  # megatron-core imports: run the mcore baseline where the layout allows
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-4, lr_decay_style="constant"))
 
 
@@ -155,25 +159,28 @@ class HFStack(Stack):
         return self.engine(input_ids=ids, labels=ids).loss
 
 
-class PlainHFStack(HFStack):
-    """HF GPT-2 trained by a plain PyTorch loop, no DeepSpeed: the baseline a single-process user starts from
-    (the same AdamW groups, fused kernel, clipping by ``clip_grad_norm_``)."""
+class LoopStack(Stack):
+    """A model trained by a plain PyTorch loop, no DeepSpeed: forward, backward, clip, optimizer step."""
 
-    def __init__(self, model, optimizer, micro_batch_size: int, spec: BenchSpec, device: torch.device):
-        super().__init__("plain", model, None, 0, micro_batch_size, spec, device)
+    def __init__(self, name: str, model, optimizer, data_rank: int, micro_batch_size: int, spec: BenchSpec,
+                 device: torch.device):
+        super().__init__(name, model, None, data_rank, micro_batch_size, spec, device)
         self.model, self.optimizer = model, optimizer
+        self.params = [p for p in model.parameters() if p.requires_grad]
 
-    def loss(self, ids, labels):
-        return self.model(input_ids=ids, labels=ids).loss
+    def clip(self) -> None:
+        torch.nn.utils.clip_grad_norm_(self.params, self.spec.optim.clip_grad)
 
     def iteration(self, record: bool) -> None:
         ids, labels = self.batch()
+        dist.barrier()  # every rank starts the iteration together
         t0 = sync(self.device)
         loss = self.loss(ids, labels)
         t1 = sync(self.device)
         loss.backward()
         t2 = sync(self.device)
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.optim.clip_grad)
+        if self.spec.optim.clip_grad > 0:  # 0 disables clipping, as in the DeepSpeed config
+            self.clip()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         t3 = sync(self.device)
@@ -181,8 +188,37 @@ class PlainHFStack(HFStack):
             self.times.append([t1 - t0, t2 - t1, t3 - t2, t3 - t0])
         self.losses.append(loss.detach())
 
+
+class PlainHFStack(LoopStack):
+    """HF GPT-2 trained by a plain PyTorch loop, no DeepSpeed: the baseline a single-process user starts from
+    (the same AdamW groups, fused kernel, clipping by ``clip_grad_norm_``)."""
+
+    def __init__(self, model, optimizer, micro_batch_size: int, spec: BenchSpec, device: torch.device):
+        super().__init__("plain", model, optimizer, 0, micro_batch_size, spec, device)
+
+    def loss(self, ids, labels):
+        return self.model(input_ids=ids, labels=ids).loss
+
     def slowest_rank_times(self) -> torch.Tensor:
         return torch.tensor(self.times, dtype=torch.float64)  # one process
+
+
+class MegatronStack(LoopStack):
+    """megatron-core's GPTModel, tensor parallel over every rank (TP x 1), by the same plain loop."""
+
+    def __init__(self, spec: BenchSpec, device: torch.device, layout: Layout):
+        import megatron_core_baseline as mcore  # benchmarks/, on sys.path as the script's folder
+
+        self.mcore = mcore
+        model, optimizer, self.tp_group = mcore.build(spec.model, spec.seq_length, layout.tp_size, spec.seed,
+                                                      spec.optim, device)
+        super().__init__("mcore", model, optimizer, 0, spec.micro_batch_size, spec, device)  # one data stream
+
+    def loss(self, ids, labels):
+        return self.mcore.loss(self.model, ids, labels)
+
+    def clip(self) -> None:
+        self.mcore.clip_grad_norm_(self.params, self.spec.optim.clip_grad, self.tp_group)
 
 
 def build_plain_hf(spec: BenchSpec, device: torch.device) -> PlainHFStack:
@@ -252,9 +288,11 @@ def bench_rank(topology: Topology, *, spec: BenchSpec, layout: Layout) -> dict |
     stacks = [build_ours(topology, spec, device, layout), build_hf(topology, spec, device, layout)]
     if layout.world_size == 1:  # the plain-PyTorch baseline has no parallelism: one process only
         stacks.append(build_plain_hf(spec, device))
+    if spec.megatron and layout.tp_size > 1 and layout.dp_size == 1:  # megatron's own DP is not wired up
+        stacks.append(MegatronStack(spec, device, layout))
     torch.set_num_threads(spec.threads_per_rank)  # in case initialisation changed it
     for i in range(spec.warmup_iters + spec.iters):
-        for stack in (stacks if i % 2 == 0 else stacks[::-1]):  # ours, HF, plain, plain, HF, ours, ...
+        for stack in (stacks if i % 2 == 0 else stacks[::-1]):  # ours, HF, plain/mcore, plain/mcore, HF, ours, ...
             stack.iteration(record=i >= spec.warmup_iters)
     times = {s.name: s.slowest_rank_times() for s in stacks}
     if topology.rank != 0:
@@ -262,7 +300,7 @@ def bench_rank(topology: Topology, *, spec: BenchSpec, layout: Layout) -> dict |
     summary = {"threads_per_rank": torch.get_num_threads(),
                "hf_attention": stacks[1].engine.module.config._attn_implementation}
     for s in stacks:
-        global_batch = s.micro_batch_size * (layout.dp_size if s.name == "ours" else
+        global_batch = s.micro_batch_size * (layout.dp_size if s.name in ("ours", "mcore") else
                                              1 if s.name == "plain" else layout.world_size)
         medians = dict(zip(PHASES, times[s.name].median(dim=0).values.tolist()))
         summary[s.name] = {
@@ -292,7 +330,7 @@ def report(layout: Layout, spec: BenchSpec, r: dict) -> str:
     lines = [head]
     lines.append(f"  {'stack':5} {'tokens/s':>9} {'GFLOP/s':>8} {'iter ms':>8} {'fwd ms':>8} {'bwd ms':>8} "
                  f"{'step ms':>8}  {'loss first->last':>17}  iteration ms")
-    for name, s in [("ours", ours), ("HF", hf)] + ([("plain", r["plain"])] if "plain" in r else []):
+    for name, s in [("ours", ours), ("HF", hf)] + [(n, r[n]) for n in ("plain", "mcore") if n in r]:
         m = s["median_s"]
         lines.append(f"  {name:5} {s['tokens_per_s']:9.0f} {gflop / m['total']:8.1f} {1e3 * m['total']:8.0f} "
                      f"{1e3 * m['forward']:8.0f} {1e3 * m['backward']:8.0f} {1e3 * m['step']:8.0f}  "
@@ -304,6 +342,9 @@ def report(layout: Layout, spec: BenchSpec, r: dict) -> str:
     if "plain" in r:
         lines.append(f"  => {layout}: plain PyTorch HF {r['plain']['tokens_per_s']:.0f} tokens/s, ours/plain = "
                      f"{ours['tokens_per_s'] / r['plain']['tokens_per_s']:.2f}")
+    if "mcore" in r:
+        lines.append(f"  => {layout}: megatron-core TP={layout.tp_size} {r['mcore']['tokens_per_s']:.0f} tokens/s, "
+                     f"ours/megatron-core = {ours['tokens_per_s'] / r['mcore']['tokens_per_s']:.2f}")
     return "\n".join(lines)
 
 
@@ -333,13 +374,22 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.dirname(os.path.dirname(
         os.path.abspath(__file__))), ".cache", "torch_extensions"))
     cfg = model_config(a)
-    base = BenchSpec(cfg, a.micro_batch_size, a.seq_length, a.iters, a.warmup_iters, 1, a.device, a.bf16)
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    if not launched or os.environ["RANK"] == "0":
+    leader = not launched or os.environ["RANK"] == "0"
+    base = BenchSpec(cfg, a.micro_batch_size, a.seq_length, a.iters, a.warmup_iters, 1, a.device, a.bf16)
+    if leader:
         print(f"model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads, vocab "
               f"{cfg.vocab_size}, seq {a.seq_length}, micro batch {a.micro_batch_size}, fp32 master weights"
               f"{' + bf16' if a.bf16 else ''}, ZeRO-2, clip {base.optim.clip_grad}; {a.warmup_iters} warm-up + "
               f"{a.iters} timed iterations per stack, device {a.device}", flush=True)
+    if any(layout.tp_size > 1 and layout.dp_size == 1 for layout in a.configs):
+        import megatron_core_baseline as mcore  # benchmarks/, on sys.path as the script's folder
+
+        why = mcore.available()
+        base = replace(base, megatron=why is None)
+        if why is not None and leader:
+            print(f"megatron-core baseline skipped: megatron.core does not import ({why}); install it with "
+                  f"`{mcore.INSTALL}`", flush=True)
     results = []
     for layout in a.configs:
         spec = replace(base, threads_per_rank=max(1, a.threads // layout.world_size))
@@ -359,11 +409,13 @@ def main(argv: list[str] | None = None) -> None:
             results.append((layout, r))
     if results:
         print("\nsummary (tokens/s; same global batch and hardware per row):")
-        print(f"  {'layout':12} {'ours':>8} {'HF':>8} {'ours/HF':>8} {'plain':>8} {'ours/plain':>10}")
+        print(f"  {'layout':12} {'ours':>8} {'HF':>8} {'ours/HF':>8} {'plain':>8} {'ours/plain':>10} {'mcore':>8} "
+              f"{'ours/mcore':>10}")
         for layout, r in results:
             o, h = r["ours"]["tokens_per_s"], r["HF"]["tokens_per_s"]
-            plain = f"{r['plain']['tokens_per_s']:8.0f} {o / r['plain']['tokens_per_s']:10.2f}" if "plain" in r else ""
-            print(f"  {str(layout):12} {o:8.0f} {h:8.0f} {o / h:8.2f} {plain}")
+            other = " ".join(f"{r[n]['tokens_per_s']:8.0f} {o / r[n]['tokens_per_s']:10.2f}" if n in r else
+                             f"{'-':>8} {'-':>10}" for n in ("plain", "mcore"))
+            print(f"  {str(layout):12} {o:8.0f} {h:8.0f} {o / h:8.2f} {other}")
 
 
 def run_launched(spec: BenchSpec, layout: Layout) -> dict | None:

@@ -119,15 +119,22 @@ def check_cross_entropy(topo):
     ref = (ref_tok * loss_mask).sum() / loss_mask.sum()
     ref.backward()
 
-    shard = _chunk(logits_full, -1, topo).clone().requires_grad_()
-    tok = vocab_parallel_cross_entropy(shard, target, topo.tp_group)
-    _close(tok, ref_tok, "per-token loss")
-    assert (tok[target == -100] == 0).all()
-    loss = (tok * loss_mask).sum() / loss_mask.sum()
-    _close(loss, ref, "masked mean loss")
-    loss.backward()
-    _close(shard.grad, _chunk(ref_logits.grad, -1, topo), "logits grad shard")
-    assert shard.grad[target == -100].abs().max() == 0
+    for inplace in (False, True):
+        leaf = _chunk(logits_full, -1, topo).clone().requires_grad_()
+        shard = leaf * 1.0  # a non-leaf, as the model's logits are
+        tok = vocab_parallel_cross_entropy(shard, target, topo.tp_group, inplace=inplace)
+        # Without inplace the caller's logits are intact; with it they are scratch the loss overwrote.
+        assert torch.equal(shard, _chunk(logits_full, -1, topo)) != inplace
+        _close(tok, ref_tok, "per-token loss")
+        assert (tok[target == -100] == 0).all()
+        loss = (tok * loss_mask).sum() / loss_mask.sum()
+        _close(loss, ref, "masked mean loss")
+        loss.backward(retain_graph=True)
+        _close(leaf.grad, _chunk(ref_logits.grad, -1, topo), "logits grad shard")
+        assert leaf.grad[target == -100].abs().max() == 0
+        # Backward turns the saved buffer into the gradient in place: a second pass must refuse, not be wrong.
+        with pytest.raises(RuntimeError, match="backward through the same loss twice"):
+            loss.backward()
 
 
 def check_all_layers(topo):

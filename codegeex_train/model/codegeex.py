@@ -133,4 +133,5 @@ class CodeGeeXModel(nn.Module):
                                     gather=gather_logits and labels is None)  # (b, s, v/tp)
         if labels is None:
             return logits
-        return vocab_parallel_cross_entropy(logits.float(), labels, self.tp_group)  # (b, s)
+        # The logits are ours alone (nothing in autograd keeps them): the loss overwrites them in place.
+        return vocab_parallel_cross_entropy(logits, labels, self.tp_group, inplace=True)  # (b, s)
