@@ -13,18 +13,19 @@ from .init import ParamInit
 
 
 class _FastGeLU(torch.autograd.Function):
-    """x * sigmoid(1.702 x) with a hand-written backward: autograd's chain of the three ops makes five
-    passes and four fresh (b, s, ffn/tp) tensors; this one makes one tensor in place."""
+    """x * sigmoid(1.702 x) with a hand-written backward: autograd's chain of the three ops keeps x and the
+    sigmoid and makes five passes and four fresh (b, s, ffn/tp) tensors. This keeps x alone (the sigmoid is one
+    cheap pass to recompute, as Megatron's fused bias-GeLU recomputes its tanh) and works in one tensor."""
 
     @staticmethod
     def forward(ctx, x):
-        s = torch.mul(x, 1.702).sigmoid_()
-        ctx.save_for_backward(x, s)  # what autograd would keep for the unfused ops too
-        return x * s
+        ctx.save_for_backward(x)
+        return x * torch.mul(x, 1.702).sigmoid_()
 
     @staticmethod
     def backward(ctx, grad):
-        x, s = ctx.saved_tensors
+        (x,) = ctx.saved_tensors
+        s = torch.mul(x, 1.702).sigmoid_()
         # d/dx [x s] = s + 1.702 x s (1 - s) = s (1 + 1.702 x (1 - s))
         return torch.sub(1.0, s).mul_(x).mul_(1.702).add_(1.0).mul_(s).mul_(grad)
 
