@@ -19,8 +19,10 @@ from ..tensor_parallel.layers import InitMethod
 
 
 def param_generator(seed: int, name: str) -> torch.Generator:
-    """A CPU generator for parameter ``name``; crc32 keeps it stable across Python processes."""
-    mixed = ((seed & 0x7FFFFFFF) << 32) ^ zlib.crc32(name.encode())
+    """A CPU generator for parameter ``name``; crc32 keeps it stable across Python processes. The CPU generator
+    (mt19937) keeps only the low 32 bits of its seed, so seed and name are hashed together into 32 bits (putting
+    the seed in the high bits, as before, made every --seed give the same weights)."""
+    mixed = zlib.crc32(name.encode(), zlib.crc32((seed & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little")))
     return torch.Generator().manual_seed(mixed)
 
 
