@@ -87,6 +87,14 @@ def test_overlays_two_runs_with_labels(tmp_path):
     assert legend_labels(panel(fig, "learning rate")) == ["tp1", "tp2"]
 
 
+def test_communication_axis_spans_at_least_a_factor_two(tmp_path):
+    # The default run's DP bytes and their theory differ by 16 bytes in 74 M: the axis must not zoom into that
+    # sliver (its tick labels all read 7.41304e7).
+    records = [train_record(it, 5.0, comm_dp_bytes=74130448.0, comm_dp_bytes_theory=74130432.0) for it in (1, 2)]
+    low, high = panel(plot_metrics.plot_runs([write_run(tmp_path / "run", records)]), "communication").get_ylim()
+    assert low <= 74130432.0 / 2 and high >= 74130448.0 * 2
+
+
 def test_duplicate_iterations_take_the_last_record(tmp_path):
     # A run that crashed after iteration 3 and resumed from its iteration-2 checkpoint appends 3 and 4 again.
     records = [train_record(1, 9.0), train_record(2, 8.0), train_record(3, 100.0),
