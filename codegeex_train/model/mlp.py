@@ -13,9 +13,10 @@ from .init import ParamInit
 
 
 class _FastGeLU(torch.autograd.Function):
-    """x * sigmoid(1.702 x) with a hand-written backward: autograd's chain of the three ops keeps x and the
-    sigmoid and makes five passes and four fresh (b, s, ffn/tp) tensors. This keeps x alone (the sigmoid is one
-    cheap pass to recompute, as Megatron's fused bias-GeLU recomputes its tanh) and works in one tensor."""
+    """x * sigmoid(1.702 x) with a hand-written backward: autograd's backward of the three ops makes five passes
+    and four fresh (b, s, ffn/tp) tensors and keeps x and the sigmoid. This one keeps x alone (the sigmoid is one
+    cheap pass to recompute, as Megatron's fused bias-GeLU recomputes its tanh) and makes two tensors, the
+    recomputed sigmoid and the gradient, updating the latter in place."""
 
     @staticmethod
     def forward(ctx, x):
