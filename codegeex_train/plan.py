@@ -32,7 +32,7 @@ import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from .accounting.theory import Workload, comm_bytes_per_step, memory_per_rank, stage_parameters
+from .accounting.theory import Workload, comm_bytes_per_step, dp_allgather_bytes, memory_per_rank, stage_parameters
 from .model.config import ModelConfig, ModelConfigError
 from .model.flops import layer_forward_flops
 from .pipeline.stages import PipelineSplitError, stage_layer_counts
@@ -212,7 +212,7 @@ def evaluate(model: ModelConfig, cluster: Cluster, *, seq_length: int, global_ba
     # After the flush: ZeRO-2's DP traffic and the tied-embedding all-reduce, on the worst stage.
     def after_flush(i: int) -> tuple[float, float]:
         dp_gbps = cluster.inter_node_gbps if dp_inter else cluster.intra_node_gbps
-        gather = stage_parameters(w, i) * dtype_bytes if dp > 1 else 0  # all-gather of updated weights
+        gather = dp_allgather_bytes(w, i)
         reduce = _ring_seconds(comms[i]["dp"] - gather, dp, dp_gbps)
         bucket = _ring_seconds(min(w.reduce_bucket_size, stage_parameters(w, i)) * dtype_bytes * 2, dp, dp_gbps)
         backward = m * compute[i] * 2 / (3 + checkpoint_activations)  # backward (+ recompute) share

@@ -59,6 +59,15 @@ def test_uneven_splits_are_ones_training_accepts():
     assert row.stage_layers[-1] < row.stage_layers[0]
 
 
+def test_workload_refuses_a_split_that_loses_layers():
+    config = ModelConfig(**TINY)  # 5 layers
+    assert [Workload(config, 16, 1, 1, pp=5).layers_on(i) for i in range(5)] == [1] * 5  # even by default
+    assert Workload(config, 16, 1, 1, pp=2, stage_layers=(3, 2)).layers_on(1) == 2
+    for pp, stage_layers in ((2, ()), (2, (2, 2)), (3, (3, 2))):  # 2 + 2 of 5, 2 + 2 of 5, two counts for 3
+        with pytest.raises(ValueError, match="do not split into"):
+            Workload(config, 16, 1, 1, pp=pp, stage_layers=stage_layers)
+
+
 def test_only_layouts_training_accepts_are_listed():
     # TP must divide heads 6, ffn 192, padded vocab 300 and the 4 GPUs of a node: 1 or 2 (3 spans the node,
     # 4 does not divide the heads); PP <= 3 layers; DP = 12 / (TP x PP); micro x DP divides the batch 12.

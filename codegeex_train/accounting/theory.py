@@ -44,10 +44,14 @@ class Workload:
                    allgather_bucket_size=int(zero.get("allgather_bucket_size", cls.allgather_bucket_size)),
                    device=device)
 
+    def __post_init__(self) -> None:
+        layers = self.stage_layers or (self.model.num_layers // self.pp,) * self.pp  # even split by default
+        if len(layers) != self.pp or sum(layers) != self.model.num_layers:
+            raise ValueError(f"{self.model.num_layers} layers do not split into {self.pp} pipeline stages as "
+                             f"{self.stage_layers or 'evenly'}: give stage_layers, one count per stage")
+
     def layers_on(self, pp_rank: int) -> int:
-        if self.stage_layers:
-            return self.stage_layers[pp_rank]
-        return self.model.num_layers // self.pp
+        return self.stage_layers[pp_rank] if self.stage_layers else self.model.num_layers // self.pp
 
     def first(self, pp_rank: int) -> bool:
         return pp_rank == 0
@@ -130,11 +134,16 @@ def comm_bytes_per_step(w: Workload, pp_rank: int = 0) -> dict[str, int]:
         params = stage_parameters(w, pp_rank)
         # ZeRO-2 all-reduces every micro-batch's gradients bucket by bucket (DeepSpeed's reduce_scatter is a
         # bucket all-reduce plus slicing), then all-gathers the updated weights after the step.
-        dp = w.num_microbatches * 2 * params * grad_bytes + params * w.dtype_bytes
+        dp = w.num_microbatches * 2 * params * grad_bytes + dp_allgather_bytes(w, pp_rank)
         if w.pp > 1 and (w.first(pp_rank) or w.last(pp_rank)):
             dp += 2 * tied  # safe_get_full_grad of the tied copy: one all-reduce over DP
         out["dp"] = dp
     return out
+
+
+def dp_allgather_bytes(w: Workload, pp_rank: int) -> int:
+    """ZeRO-2's all-gather of the updated weights after the step, per rank of stage ``pp_rank`` (part of "dp")."""
+    return stage_parameters(w, pp_rank) * w.dtype_bytes if w.dp > 1 else 0
 
 
 # ------------------------------------------------------------------------------------------------- memory

@@ -1,7 +1,6 @@
 """End-to-end pretraining under DeepSpeed ZeRO-2 on real gloo ranks: parity across TP/DP, exact resume,
 crash-safe checkpoints and activation recomputation. Each run calls ``pretrain.main`` in spawned ranks."""
 
-import json
 import os
 import shutil
 
@@ -10,14 +9,13 @@ import torch
 
 from codegeex_train import pretrain
 from codegeex_train.model.checkpoint import read_latest, write_latest
-from codegeex_train.testing import RankFailure, read_metrics, run_distributed
+from codegeex_train.testing import RankFailure, metrics_records, read_metrics, run_distributed, tiny_model_args
 
 ITERS = 20
 
 
 def tiny_args(data, save, iters=ITERS, *extra):
-    return ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
-            "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
+    return [*tiny_model_args(), "--micro-batch-size", "2", "--global-batch-size", "8",
             "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "2e-3", "--lr-warmup-iters", "2",
             "--train-iters", str(iters), "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1",
             "--data-path", data, "--split", "90,9,1", "--seed", "7", "--save", save, "--no-progress-bar",
@@ -26,12 +24,6 @@ def tiny_args(data, save, iters=ITERS, *extra):
 
 def run_pretrain(topology, argv):
     pretrain.main(argv)
-
-
-def records(save, split="train"):
-    with open(os.path.join(save, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
-    return {r["iteration"]: r for r in rows if r.get("split", "train") == split}
 
 
 def train(tmp_path, data, name, world, tp, *extra, iters=ITERS):
@@ -43,7 +35,7 @@ def train(tmp_path, data, name, world, tp, *extra, iters=ITERS):
 
 def test_losses_agree_across_tp_and_dp(tmp_path, tiny_data):
     # The same global batch of 8 sequences: (1,1) takes 4 micro-batches, (1,2) and (2,2) two per DP rank.
-    runs = {(tp, dp): records(train(tmp_path, tiny_data, f"tp{tp}dp{dp}", tp * dp, tp))
+    runs = {(tp, dp): metrics_records(train(tmp_path, tiny_data, f"tp{tp}dp{dp}", tp * dp, tp))
             for tp, dp in [(1, 1), (2, 1), (1, 2), (2, 2)]}
     base = runs[(1, 1)]
     assert sorted(base) == list(range(1, ITERS + 1))
@@ -59,8 +51,8 @@ def test_clip_grad_really_clips(tmp_path, tiny_data):
     # Plain SGD, so the update is proportional to the (clipped) gradient; Adam would normalise it away.
     sgd = ["--optimizer", "sgd", "--sgd-momentum", "0", "--lr", "1.0", "--lr-warmup-iters", "0",
            "--lr-decay-style", "constant"]
-    unclipped = records(train(tmp_path, tiny_data, "noclip", 2, 2, *sgd, "--clip-grad", "0", iters=2))
-    clipped = records(train(tmp_path, tiny_data, "clip", 2, 2, *sgd, "--clip-grad", "0.05", iters=2))
+    unclipped = metrics_records(train(tmp_path, tiny_data, "noclip", 2, 2, *sgd, "--clip-grad", "0", iters=2))
+    clipped = metrics_records(train(tmp_path, tiny_data, "clip", 2, 2, *sgd, "--clip-grad", "0.05", iters=2))
     assert clipped[1]["grad_norm"] == pytest.approx(unclipped[1]["grad_norm"], rel=1e-5)  # reported before clipping
     assert clipped[1]["grad_norm"] > 1.0
     # The first step was shrunk by norm / 0.05 > 20x, so iteration 2 starts from different weights.
@@ -76,7 +68,7 @@ def test_resume_is_exact(tmp_path, tiny_data):
     write_latest(resumed, "iter_0000005")
     run_distributed(run_pretrain, world_size=2, tp_size=1, deadline_s=600,
                     argv=tiny_args(tiny_data, resumed, 10, "--load", resumed, "--save-interval", "5"))
-    a, b = records(full), records(resumed)
+    a, b = metrics_records(full), metrics_records(resumed)
     assert sorted(b) == list(range(6, 11))
     for it in range(6, 11):
         for key in ("loss", "lr", "grad_norm"):
@@ -116,8 +108,9 @@ def test_crash_mid_checkpoint_keeps_previous_latest(tmp_path, tiny_data):
 
 def test_checkpoint_activations_same_losses(tmp_path, tiny_data):
     dropout = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
-    plain = records(train(tmp_path, tiny_data, "plain", 2, 2, *dropout, iters=4))
-    recompute = records(train(tmp_path, tiny_data, "recompute", 2, 2, *dropout, "--checkpoint-activations", iters=4))
+    plain = metrics_records(train(tmp_path, tiny_data, "plain", 2, 2, *dropout, iters=4))
+    recompute = metrics_records(train(tmp_path, tiny_data, "recompute", 2, 2, *dropout, "--checkpoint-activations",
+                                      iters=4))
     for it in range(1, 5):
         assert recompute[it]["loss"] == pytest.approx(plain[it]["loss"], rel=1e-6)
         assert recompute[it]["grad_norm"] == pytest.approx(plain[it]["grad_norm"], rel=1e-6)
@@ -130,14 +123,14 @@ def test_wandb_offline_run_matches_metrics_file(tmp_path, tiny_data, monkeypatch
     wandb_dir = tmp_path / "wb"
     wandb = ["--wandb-project", "codegeex-test", "--wandb-name", "tiny", "--wandb-dir", str(wandb_dir)]
     save = train(tmp_path, tiny_data, "wandb", 1, 1, *wandb, iters=2)
-    logged = records(save)
+    logged = metrics_records(save)
     runs = sorted((wandb_dir / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     history = {row["_step"]: row for row in read_offline_wandb_history(runs[0])}
     for it in (1, 2):
         for key in ("loss", "lr", "grad_norm", "tokens_per_s", "consumed_samples"):
             assert history[it][f"train/{key}"] == pytest.approx(logged[it][key], rel=1e-12), (it, key)
-    assert history[2]["test/loss"] == pytest.approx(records(save, "test")[2]["test_loss"], rel=1e-12)
+    assert history[2]["test/loss"] == pytest.approx(metrics_records(save, "test")[2]["test_loss"], rel=1e-12)
 
     # A resumed run continues the same wandb run: the id travels in the checkpoint.
     train(tmp_path, tiny_data, "wandb", 1, 1, *wandb, "--load", save, iters=3)
