@@ -17,7 +17,7 @@ side (iterations interleaved ours/HF/HF/ours..., so drift on a shared machine hi
 tokens/s = global tokens per iteration / median iteration time after warm-up (an iteration: forward, backward,
 optimizer step; its time is the slowest rank's). Threads are split so all ranks together use --threads.
 
-    # CPU (default): TP x DP = 1x1, 1x2, 2x1 on this 2-core machine, ENVIRONMENT.md's GPT-2 shape (~2 min)
+    # CPU (default): TP x DP = 1x1, 1x2, 2x1 on this 2-core machine, ENVIRONMENT.md's GPT-2 shape (~3 min)
     python benchmarks/throughput.py
     # smaller and quicker
     python benchmarks/throughput.py --num-layers 2 --hidden-size 256 --seq-length 256 --iters 3
@@ -356,7 +356,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab-size", type=int, default=8192, help="random tokens in [0, V); a multiple of 128")
     p.add_argument("--seq-length", type=int, default=512)
     p.add_argument("--micro-batch-size", type=int, default=4, help="sequences per micro-batch per DP rank (ours)")
-    p.add_argument("--iters", type=int, default=4, help="timed iterations per stack")
+    p.add_argument("--iters", type=int, default=8, help="timed iterations per stack (the median is reported)")
     p.add_argument("--warmup-iters", type=int, default=1, help="untimed iterations per stack first")
     p.add_argument("--configs", nargs="+", type=Layout.parse, default=[Layout(1, 1), Layout(1, 2), Layout(2, 1)],
                    metavar="TPxDP", help="layouts to compare (default: 1x1 1x2 2x1)")

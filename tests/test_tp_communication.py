@@ -88,6 +88,37 @@ def test_rng_tracker_masks():
     assert not torch.equal(masks["sharded"][0], masks["replicated"][0])
 
 
+def g_in_place(topo):
+    from codegeex_train.tensor_parallel import reduce_from_tensor_model_parallel_region as g
+
+    rank, weights = topo.tp_rank, torch.arange(6.0).view(2, 3)
+    x = torch.full((2, 3), rank + 1.0, requires_grad=True)
+    partial = x * 2  # an intermediate nothing saved: reduced where it lies
+    ptr = partial.data_ptr()
+    y = g(partial, topo.tp_group)
+    (y * weights).sum().backward()
+    out = {"rank": rank, "in_place": y.data_ptr() == ptr, "sum": y.detach().clone(), "x_grad": x.grad}
+    leaf = torch.full((2, 3), rank + 1.0, requires_grad=True)  # cannot change in place: a copy is reduced
+    out["leaf_sum"], out["leaf_kept"] = g(leaf, topo.tp_group).detach(), leaf.detach().clone()
+    saved = torch.full((2, 3), rank + 1.0, requires_grad=True).exp()  # exp keeps its output for backward
+    try:
+        g(saved, topo.tp_group).sum().backward()
+        out["version_error"] = None
+    except RuntimeError as e:
+        out["version_error"] = str(e)
+    return out
+
+
+def test_g_all_reduces_in_place_without_a_copy():
+    for r in run_distributed(g_in_place, world_size=2, tp_size=2):
+        assert r["in_place"]  # no clone of the row-parallel output (Megatron reduces it in place too)
+        assert torch.equal(r["sum"], torch.full((2, 3), 2.0 + 4.0))
+        assert torch.equal(r["x_grad"], 2 * torch.arange(6.0).view(2, 3))  # backward: identity
+        assert torch.equal(r["leaf_sum"], torch.full((2, 3), 3.0))
+        assert torch.equal(r["leaf_kept"], torch.full((2, 3), r["rank"] + 1.0))
+        assert r["version_error"] and "inplace" in r["version_error"]  # a producer that saved it is caught
+
+
 def fail_on_rank_one(topo):
     if topo.rank == 1:
         raise RuntimeError("boom on purpose")

@@ -55,11 +55,19 @@ class _CopyToTensorModelParallelRegion(torch.autograd.Function):
 
 
 class _ReduceFromTensorModelParallelRegion(torch.autograd.Function):
-    """g: forward all-reduce, backward identity."""
+    """g: forward all-reduce, backward identity.
+
+    The all-reduce runs in place on x when x is a contiguous intermediate, as Megatron's does: its producers
+    (a row-parallel matmul, the masked embedding lookup) save nothing that holds it, and autograd's version
+    check would catch one that did. A leaf that requires grad, a view or a strided tensor is reduced in a copy."""
 
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x.clone(), group)
+        if (x.is_leaf and x.requires_grad) or x._base is not None or not x.is_contiguous():
+            return _all_reduce(x.clone(memory_format=torch.contiguous_format), group)
+        ctx.mark_dirty(x)
+        dist.all_reduce(x, group=group)
+        return x
 
     @staticmethod
     def backward(ctx, grad):
