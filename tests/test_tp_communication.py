@@ -14,6 +14,7 @@ from codegeex_train.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     model_parallel_seed,
+    reduce_from_tensor_model_parallel_region,
     vocab_parallel_cross_entropy,
 )
 from codegeex_train.testing import RankFailure, run_distributed
@@ -89,8 +90,7 @@ def test_rng_tracker_masks():
 
 
 def g_in_place(topo):
-    from codegeex_train.tensor_parallel import reduce_from_tensor_model_parallel_region as g
-
+    g = reduce_from_tensor_model_parallel_region
     rank, weights = topo.tp_rank, torch.arange(6.0).view(2, 3)
     x = torch.full((2, 3), rank + 1.0, requires_grad=True)
     partial = x * 2  # an intermediate nothing saved: reduced where it lies

@@ -57,8 +57,8 @@ class _CopyToTensorModelParallelRegion(torch.autograd.Function):
 class _ReduceFromTensorModelParallelRegion(torch.autograd.Function):
     """g: forward all-reduce, backward identity.
 
-    The all-reduce runs in place on x when x is a contiguous intermediate, as Megatron's does: its producers
-    (a row-parallel matmul, the masked embedding lookup) save nothing that holds it, and autograd's version
+    As in Megatron, the all-reduce runs in place: x itself is summed and returned, no copy first. Its producers
+    here (a row-parallel matmul, the masked embedding lookup) save nothing that holds it, and autograd's version
     check would catch one that did. A leaf that requires grad, a view or a strided tensor is reduced in a copy."""
 
     @staticmethod
