@@ -1,10 +1,10 @@
 """--eval-humaneval-interval: greedy pass@1 on the first K HumanEval problems, logged during training."""
 
 import pytest
-from test_pretrain import records, run_pretrain, tiny_args
+from test_pretrain import run_pretrain, tiny_args
 
 from codegeex_train import pretrain
-from codegeex_train.testing import run_distributed
+from codegeex_train.testing import metrics_records, run_distributed
 
 
 def test_pass_at_1_is_logged_at_the_interval(tmp_path, tiny_data):
@@ -14,12 +14,12 @@ def test_pass_at_1_is_logged_at_the_interval(tmp_path, tiny_data):
                     argv=tiny_args(tiny_data, save, 4, "--tensor-model-parallel-size", "2",
                                    "--eval-humaneval-interval", "2", "--eval-humaneval-tasks", "2",
                                    "--eval-humaneval-max-new-tokens", "8", "--max-position-embeddings", "256"))
-    rows = records(save, "humaneval")
+    rows = metrics_records(save, "humaneval")
     assert sorted(rows) == [2, 4]
     for row in rows.values():
         assert row["humaneval_tasks"] == 2 and row["humaneval_samples_per_task"] == 1
         assert row["humaneval_pass@1"] == 0.0  # a 4-iteration random model solves nothing
-    assert sorted(records(save)) == [1, 2, 3, 4]  # training went on around the evaluations
+    assert sorted(metrics_records(save)) == [1, 2, 3, 4]  # training went on around the evaluations
 
 
 def test_needs_a_single_pipeline_stage(tiny_data, capsys, monkeypatch):

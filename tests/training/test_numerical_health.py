@@ -8,12 +8,12 @@ import os
 
 import pytest
 import torch
-from test_pretrain import records, run_pretrain, tiny_args
+from test_pretrain import run_pretrain, tiny_args
 
 from codegeex_train import pretrain
 from codegeex_train.arguments import ConfigError, parse_args, validate
 from codegeex_train.model.checkpoint import read_latest
-from codegeex_train.testing import RankFailure, run_distributed
+from codegeex_train.testing import RankFailure, metrics_records, run_distributed
 from codegeex_train.training import fault_injection, trainer
 from codegeex_train.training.exit_conditions import ExitConditions, NumericalHealth, NumericalHealthError
 
@@ -50,7 +50,7 @@ def test_nan_loss_stops_every_stage_without_saving(monkeypatch, tmp_path, tiny_d
     assert_one_error_line(capfd, message)
     assert read_latest(save) == "iter_0000004"
     assert not os.path.exists(os.path.join(save, "iter_0000005"))
-    rows = records(save)
+    rows = metrics_records(save)
     assert sorted(rows) == [1, 2, 3, 4, 5]  # the bad iteration is logged, then nothing
     assert math.isnan(rows[5]["loss"]) and all(math.isfinite(rows[i]["loss"]) for i in range(1, 5))
 
@@ -61,7 +61,7 @@ def test_inf_grad_norm_stops_dp_ranks(monkeypatch, tmp_path, tiny_data):
             f"checkpoint: iter_0000002 in {save} (relaunch with --load {save} to resume from it)") in text
     assert read_latest(save) == "iter_0000002"
     assert not os.path.exists(os.path.join(save, "iter_0000003"))
-    rows = records(save)
+    rows = metrics_records(save)
     assert math.isfinite(rows[3]["loss"]) and rows[3]["grad_norm"] == math.inf
 
 
@@ -104,7 +104,7 @@ def test_fp16_skips_are_counted_and_a_long_run_of_them_stops(monkeypatch, tmp_pa
     assert ("4 consecutive iterations were skipped by fp16 dynamic loss scaling (the gradients overflow at every loss "
             "scale), more than --max-consecutive-skipped-iterations 3; stopped at iteration 8 without saving it. "
             f"Last good checkpoint: iter_0000006 in {save}") in text
-    rows = records(save)
+    rows = metrics_records(save)
     assert {i: r["skipped_iterations"] for i, r in rows.items()} == {1: 0, 2: 0, 3: 1, 4: 0, 5: 1, 6: 1, 7: 1, 8: 1}
     assert all(math.isfinite(r["loss"]) for r in rows.values())  # skipped, not broken: no NaN error
     assert rows[5]["grad_norm"] == math.inf

@@ -11,10 +11,10 @@ import torch
 from codegeex_train import pretrain
 from codegeex_train.model.checkpoint import write_latest
 from codegeex_train.pipeline.shared_embedding import shared_embedding_weight
-from codegeex_train.testing import load_tool, run_distributed
+from codegeex_train.testing import load_tool, metrics_records, run_distributed
 from codegeex_train.training import trainer
 
-from test_pretrain import records, tiny_args
+from test_pretrain import tiny_args
 
 ITERS = 10
 LAYOUTS = [(1, 2, 1), (2, 2, 1), (1, 4, 1), (1, 2, 2), (2, 2, 2)]  # (TP, PP, DP)
@@ -53,7 +53,7 @@ def run_layout(tmp_path, data, tp, pp, dp, name=None, break_hook=False):
     save = str(tmp_path / (name or f"tp{tp}pp{pp}dp{dp}"))
     ranks = run_distributed(train_and_return_embedding, world_size=tp * pp * dp, tp_size=tp, pp_size=pp,
                             deadline_s=600, argv=pipeline_args(data, save, tp, pp, dp), break_hook=break_hook)
-    return records(save), ranks
+    return metrics_records(save), ranks
 
 
 def full_table(ranks, tp, pp_rank, dp_rank=0):
@@ -108,7 +108,7 @@ def test_resume_at_pp2_is_exact(tmp_path, tiny_data):
     write_latest(resumed, "iter_0000005")
     run_distributed(train_and_return_embedding, world_size=4, pp_size=2, deadline_s=600,
                     argv=pipeline_args(tiny_data, resumed, 1, 2, 2, ITERS, "--load", resumed, "--save-interval", "5"))
-    a, b = records(full), records(resumed)
+    a, b = metrics_records(full), metrics_records(resumed)
     assert sorted(b) == list(range(6, ITERS + 1))
     for it in range(6, ITERS + 1):
         for key in ("loss", "lr", "grad_norm"):
@@ -130,7 +130,7 @@ def test_converted_checkpoint_trains_alike_at_another_layout(tmp_path, tiny_data
         save = str(tmp_path / f"continued_tp{tp}pp{pp}")
         run_distributed(train_and_return_embedding, world_size=2, tp_size=tp, pp_size=pp, deadline_s=600,
                         argv=pipeline_args(tiny_data, save, tp, pp, 1, 5, "--load", weights))
-        runs[(tp, pp)] = records(save)
+        runs[(tp, pp)] = metrics_records(save)
     a, b = runs[(1, 2)], runs[(2, 1)]
     assert a[1]["loss"] < baseline[0][1]["loss"] - 0.1  # the trained weights were loaded
     for it in range(1, 6):

@@ -6,11 +6,11 @@ import os
 import shutil
 
 import pytest
-from test_pretrain import records, run_pretrain, tiny_args
+from test_pretrain import run_pretrain, tiny_args
 
 from codegeex_train import pretrain
 from codegeex_train.model.checkpoint import write_latest
-from codegeex_train.testing import load_tool, run_distributed
+from codegeex_train.testing import load_tool, metrics_records, run_distributed
 
 ITERS, SAVED_AT = 8, 4
 RESUME_LAYOUTS = [(1, 1, 1), (1, 1, 2), (2, 1, 1), (1, 2, 1)]  # (TP, PP, DP)
@@ -35,7 +35,7 @@ def test_universal_checkpoint_resumes_at_any_layout(tmp_path, tiny_data, saved):
     full = tmp_path / "full"
     run_distributed(run_pretrain, world_size=tp * pp * dp, tp_size=tp, pp_size=pp, deadline_s=600,
                     argv=layout_args(tiny_data, full, tp, pp))
-    reference = records(full)
+    reference = metrics_records(full)
     at_save = checkpoint_at(full, tmp_path / "at_save", SAVED_AT)
     universal = str(tmp_path / "universal")
     load_tool("convert_checkpoint").main(["--load", at_save, "--to-universal", universal])
@@ -44,7 +44,7 @@ def test_universal_checkpoint_resumes_at_any_layout(tmp_path, tiny_data, saved):
         save = tmp_path / f"resumed_tp{tp2}_pp{pp2}_dp{dp2}"
         run_distributed(run_pretrain, world_size=tp2 * pp2 * dp2, tp_size=tp2, pp_size=pp2, deadline_s=600,
                         argv=layout_args(tiny_data, save, tp2, pp2, "--load", universal))
-        resumed = records(save)
+        resumed = metrics_records(save)
         assert sorted(resumed) == list(range(SAVED_AT + 1, ITERS + 1))
         for it in resumed:
             where = (saved, (tp2, pp2, dp2), it)
