@@ -7,6 +7,8 @@ import torch
 import torch.distributed as dist
 
 from codegeex_train.accounting import CommCounter, Workload, comm_bytes_per_step
+from codegeex_train.accounting.memory import SavedActivations
+from codegeex_train.accounting.theory import activation_bytes_per_microbatch
 from codegeex_train.model.codegeex import CodeGeeXModel
 from codegeex_train.model.config import ModelConfig
 from codegeex_train.tensor_parallel import model_parallel_seed
@@ -86,9 +88,6 @@ def test_counter_volumes_groups_and_restore():
 def test_saved_activations_match_theory_for_each_activation(activation):
     """What autograd keeps for one micro-batch, measured, against the theory the planner and the start-up report
     use: every activation keeps its input alone (fast GeLU recomputes its sigmoid; keeping it too was 17% more)."""
-    from codegeex_train.accounting.memory import SavedActivations
-    from codegeex_train.accounting.theory import activation_bytes_per_microbatch
-
     config = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, max_position_embeddings=64,
                          hidden_dropout=0.0, attention_dropout=0.0, activation=activation, vocab_size=512)
     b, s = 4, 64

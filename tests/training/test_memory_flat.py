@@ -10,10 +10,8 @@ import os
 import pytest
 
 from codegeex_train import pretrain
-from codegeex_train.testing import run_distributed
+from codegeex_train.testing import run_distributed, tiny_pretrain_args
 from codegeex_train.training import stage, trainer
-
-from test_pretrain import tiny_args
 
 ITERS = 200
 WARM = 50  # iterations before the first sample: optimizer states, DeepSpeed buffers, caches all exist by then
@@ -61,7 +59,7 @@ def train_and_sample_rss(topology, argv, leak=None, remedy=True):
 
 
 def rss_samples(tmp_path, data, **kw):
-    argv = tiny_args(data, str(tmp_path / "run"), ITERS, "--log-interval", "50")
+    argv = tiny_pretrain_args(data, str(tmp_path / "run"), ITERS, "--log-interval", "50")
     return run_distributed(train_and_sample_rss, world_size=2, deadline_s=300, argv=argv, **kw)
 
 

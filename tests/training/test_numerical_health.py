@@ -8,12 +8,11 @@ import os
 
 import pytest
 import torch
-from test_pretrain import run_pretrain, tiny_args
 
 from codegeex_train import pretrain
 from codegeex_train.arguments import ConfigError, parse_args, validate
 from codegeex_train.model.checkpoint import read_latest
-from codegeex_train.testing import RankFailure, metrics_records, run_distributed
+from codegeex_train.testing import RankFailure, metrics_records, run_distributed, run_pretrain, tiny_pretrain_args
 from codegeex_train.training import fault_injection, trainer
 from codegeex_train.training.exit_conditions import ExitConditions, NumericalHealth, NumericalHealthError
 
@@ -28,7 +27,7 @@ def failed_run(monkeypatch, tmp_path, data, inject, world, tp=1, pp=1, iters=8, 
     sizes += [] if tp == 1 else ["--tensor-model-parallel-size", str(tp)]
     with pytest.raises(RankFailure) as failure:
         run_distributed(fn, world_size=world, tp_size=tp, pp_size=pp, deadline_s=600,
-                        argv=tiny_args(data, save, iters, *sizes, *extra))
+                        argv=tiny_pretrain_args(data, save, iters, *sizes, *extra))
     text = str(failure.value)
     assert "did not finish" not in text  # every rank stopped; none hung in a collective
     assert text.count("NumericalHealthError") == world, text  # all ranks, the same error
@@ -76,7 +75,7 @@ def test_without_per_iteration_checks_a_save_is_still_checked(monkeypatch, tmp_p
 
 
 def test_no_save_dir_names_no_checkpoint(monkeypatch, tmp_path, tiny_data):
-    argv = [a for a in tiny_args(tiny_data, "unused", 3) if a not in ("--save", "unused")]
+    argv = [a for a in tiny_pretrain_args(tiny_data, "unused", 3) if a not in ("--save", "unused")]
     argv += ["--metrics-file", str(tmp_path / "m.jsonl")]
     monkeypatch.setenv(INJECT, "nan-loss@2")
     with pytest.raises(RankFailure, match=r"at iteration 2; .* Last good checkpoint: none \(no --save\)"):

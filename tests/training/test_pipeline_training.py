@@ -11,10 +11,9 @@ import torch
 from codegeex_train import pretrain
 from codegeex_train.model.checkpoint import write_latest
 from codegeex_train.pipeline.shared_embedding import shared_embedding_weight
-from codegeex_train.testing import load_tool, metrics_records, run_distributed
+from codegeex_train.testing import load_tool, metrics_records, run_distributed, tiny_pretrain_args
 from codegeex_train.training import trainer
 
-from test_pretrain import tiny_args
 
 ITERS = 10
 LAYOUTS = [(1, 2, 1), (2, 2, 1), (1, 4, 1), (1, 2, 2), (2, 2, 2)]  # (TP, PP, DP)
@@ -23,7 +22,7 @@ CLIP = 0.5
 
 def pipeline_args(data, save, tp, pp, dp, iters=ITERS, *extra):
     # 8 sequences per step = 4 micro-batches per DP rank at DP 1 (micro 2) and DP 2 (micro 1).
-    return tiny_args(data, save, iters, "--num-layers", "4", "--micro-batch-size", str(2 // dp),
+    return tiny_pretrain_args(data, save, iters, "--num-layers", "4", "--micro-batch-size", str(2 // dp),
                      "--clip-grad", str(CLIP), "--tensor-model-parallel-size", str(tp),
                      "--pipeline-model-parallel-size", str(pp), *extra)
 

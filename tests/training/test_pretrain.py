@@ -9,27 +9,16 @@ import torch
 
 from codegeex_train import pretrain
 from codegeex_train.model.checkpoint import read_latest, write_latest
-from codegeex_train.testing import RankFailure, metrics_records, read_metrics, run_distributed, tiny_model_args
+from codegeex_train.testing import (RankFailure, metrics_records, read_metrics, run_distributed, run_pretrain,
+                                   tiny_pretrain_args)
 
 ITERS = 20
-
-
-def tiny_args(data, save, iters=ITERS, *extra):
-    return [*tiny_model_args(), "--micro-batch-size", "2", "--global-batch-size", "8",
-            "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "2e-3", "--lr-warmup-iters", "2",
-            "--train-iters", str(iters), "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1",
-            "--data-path", data, "--split", "90,9,1", "--seed", "7", "--save", save, "--no-progress-bar",
-            "--num-workers", "0", *extra]
-
-
-def run_pretrain(topology, argv):
-    pretrain.main(argv)
 
 
 def train(tmp_path, data, name, world, tp, *extra, iters=ITERS):
     save = str(tmp_path / name)
     run_distributed(run_pretrain, world_size=world, tp_size=tp, deadline_s=600,
-                    argv=tiny_args(data, save, iters, *extra))
+                    argv=tiny_pretrain_args(data, save, iters, *extra))
     return save
 
 
@@ -67,7 +56,7 @@ def test_resume_is_exact(tmp_path, tiny_data):
     os.remove(os.path.join(resumed, "metrics.jsonl"))
     write_latest(resumed, "iter_0000005")
     run_distributed(run_pretrain, world_size=2, tp_size=1, deadline_s=600,
-                    argv=tiny_args(tiny_data, resumed, 10, "--load", resumed, "--save-interval", "5"))
+                    argv=tiny_pretrain_args(tiny_data, resumed, 10, "--load", resumed, "--save-interval", "5"))
     a, b = metrics_records(full), metrics_records(resumed)
     assert sorted(b) == list(range(6, 11))
     for it in range(6, 11):
@@ -95,7 +84,7 @@ def test_crash_mid_checkpoint_keeps_previous_latest(tmp_path, tiny_data):
     save = str(tmp_path / "crash")
     with pytest.raises(RankFailure, match=f"process exited with code {CRASH_EXIT_CODE} without reporting"):
         run_distributed(crash_during_second_save, world_size=2, tp_size=2, deadline_s=600,
-                        argv=tiny_args(tiny_data, save, 4, "--save-interval", "2"))
+                        argv=tiny_pretrain_args(tiny_data, save, 4, "--save-interval", "2"))
     assert read_latest(save) == "iter_0000002"
     crashed_lines = len(read_metrics(save))  # metrics.jsonl is appended to: what follows is the resumed run's
     resumed = train(tmp_path, tiny_data, "crash", 2, 2, "--load", save, "--save-interval", "2", iters=4)

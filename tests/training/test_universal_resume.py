@@ -6,18 +6,17 @@ import os
 import shutil
 
 import pytest
-from test_pretrain import run_pretrain, tiny_args
 
 from codegeex_train import pretrain
 from codegeex_train.model.checkpoint import write_latest
-from codegeex_train.testing import load_tool, metrics_records, run_distributed
+from codegeex_train.testing import load_tool, metrics_records, run_distributed, run_pretrain, tiny_pretrain_args
 
 ITERS, SAVED_AT = 8, 4
 RESUME_LAYOUTS = [(1, 1, 1), (1, 1, 2), (2, 1, 1), (1, 2, 1)]  # (TP, PP, DP)
 
 
 def layout_args(data, save, tp, pp, *extra):
-    return tiny_args(data, str(save), ITERS, "--tensor-model-parallel-size", str(tp),
+    return tiny_pretrain_args(data, str(save), ITERS, "--tensor-model-parallel-size", str(tp),
                      "--pipeline-model-parallel-size", str(pp), "--save-interval", str(SAVED_AT), *extra)
 
 
@@ -57,10 +56,10 @@ def test_universal_checkpoint_resumes_at_any_layout(tmp_path, tiny_data, saved):
 def test_layout_mismatch_without_conversion_names_the_fix(tmp_path, tiny_data, capsys, monkeypatch):
     full = tmp_path / "full"
     run_distributed(run_pretrain, world_size=2, tp_size=1, deadline_s=600,
-                    argv=tiny_args(tiny_data, str(full), 2, "--save-interval", "2"))
+                    argv=tiny_pretrain_args(tiny_data, str(full), 2, "--save-interval", "2"))
     monkeypatch.setenv("WORLD_SIZE", "1")  # the same TP and PP, DP 1 instead of 2: ZeRO's partitions differ
     with pytest.raises(SystemExit) as e:
-        pretrain.main(tiny_args(tiny_data, str(tmp_path / "resumed"), 4, "--load", str(full)))
+        pretrain.main(tiny_pretrain_args(tiny_data, str(tmp_path / "resumed"), 4, "--load", str(full)))
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err
