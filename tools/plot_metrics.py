@@ -172,7 +172,7 @@ def plot_runs(runs, labels: list[str] | None = None):
     comm_keys = _comm_keys(runs)
 
     def draw_comm(ax) -> bool:
-        drew, positive, finite = False, True, []
+        drew, finite = False, []
         styles = ("-", "-.", ":", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)))
         measured = [k for k in comm_keys if not _is_theory(k)]
         for run, colour in zip(runs, colours):
@@ -183,10 +183,9 @@ def plot_runs(runs, labels: list[str] | None = None):
                 style = "--" if _is_theory(key) else styles[measured.index(key) % len(styles)]
                 name = key.removeprefix("comm_").replace("_bytes", "")
                 ax.plot(xs, ys, color=colour, linestyle=style, label=f"{run.label} {name}")
-                positive = positive and all(y > 0 for y in ys if math.isfinite(y))
                 finite.extend(y for y in ys if math.isfinite(y))
                 drew = True
-        if drew and positive:
+        if finite and min(finite) > 0:
             ax.set_yscale("log")  # groups differ by orders of magnitude
             # At least a factor 2 either side: measured and theory a few bytes apart would otherwise zoom the axis
             # into a sliver whose tick labels all read the same number.

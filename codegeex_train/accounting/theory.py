@@ -49,9 +49,10 @@ class Workload:
         if len(layers) != self.pp or sum(layers) != self.model.num_layers:
             raise ValueError(f"{self.model.num_layers} layers do not split into {self.pp} pipeline stages as "
                              f"{self.stage_layers or 'evenly'}: give stage_layers, one count per stage")
+        object.__setattr__(self, "stage_layers", tuple(layers))  # frozen: set once, here
 
     def layers_on(self, pp_rank: int) -> int:
-        return self.stage_layers[pp_rank] if self.stage_layers else self.model.num_layers // self.pp
+        return self.stage_layers[pp_rank]
 
     def first(self, pp_rank: int) -> bool:
         return pp_rank == 0

@@ -64,10 +64,10 @@ class _ReduceFromTensorModelParallelRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         if (x.is_leaf and x.requires_grad) or x._base is not None or not x.is_contiguous():
-            return _all_reduce(x.clone(memory_format=torch.contiguous_format), group)
-        ctx.mark_dirty(x)
-        dist.all_reduce(x, group=group)
-        return x
+            x = x.clone(memory_format=torch.contiguous_format)
+        else:
+            ctx.mark_dirty(x)
+        return _all_reduce(x, group)
 
     @staticmethod
     def backward(ctx, grad):
