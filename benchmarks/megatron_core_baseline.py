@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from codegeex_train.arguments import OptimConfig
-from codegeex_train.model.config import ModelConfig
-from codegeex_train.optim import build_optimizer
+from codegeex_train.config.arguments import OptimConfig
+from codegeex_train.config.model import ModelConfig
+from codegeex_train.training.optim import build_optimizer
 
 INSTALL = "pip install megatron-core==0.16.1"  # the version this baseline was written and checked against
 

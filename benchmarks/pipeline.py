@@ -3,7 +3,7 @@
     DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$PWD/.cache/torch_extensions WANDB_MODE=offline \
         .venv/bin/python benchmarks/pipeline.py          # ~2-3 min on a 2-core machine
 
-1. Bubble. The real executor (one_f_one_b -> communication_plan -> run_schedule, P2PCommunicator) runs on p real
+1. Bubble. The real executor (one_f_one_b -> with_p2p_ops -> run_schedule, P2PCommunicator) runs on p real
    gloo ranks with a synthetic stage whose forward sleeps F ms and backward 2F ms. Sleeping ranks don't compete
    for cores, so 4 stages on 2 cores time like 4 devices and the numbers are deterministic up to OS jitter.
    Per stage: bubble = 1 - (time spent in forward/backward) / (step wall time), the wall time being the slowest
@@ -55,13 +55,13 @@ class SleepStage:
 
 def bubble_rank(topology, micro_batches, fwd_ms, steps):
     """Per micro-batch count: this stage's mean bubble and the mean step wall time over the timed steps."""
-    from codegeex_train.pipeline import P2PCommunicator, communication_plan, one_f_one_b, run_schedule
+    from codegeex_train.pipeline import P2PCommunicator, one_f_one_b, run_schedule, with_p2p_ops
 
     shape = (1, 16, 32)
     out = {}
     for m in micro_batches:
-        ops = communication_plan(one_f_one_b(topology.pp_size, topology.pp_rank, m), topology.is_first_stage,
-                                 topology.is_last_stage)
+        ops = with_p2p_ops(one_f_one_b(topology.pp_size, topology.pp_rank, m), topology.is_first_stage,
+                           topology.is_last_stage)
         bubbles, walls = [], []
         for step in range(steps + 1):  # step 0 warms up gloo's pairs
             stage = SleepStage(fwd_ms / 1e3, shape, topology.is_first_stage)

@@ -40,27 +40,28 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
-from codegeex_train.arguments import (Args, BatchPlan, DataConfig, LoggingConfig, OptimConfig, ParallelConfig,
-                                     TrainConfig)
-from codegeex_train.ds_config import build_deepspeed_config
+from codegeex_train.checkpoint import hf_gpt2_config
+from codegeex_train.config.arguments import Args, DataConfig, LoggingConfig, OptimConfig, ParallelConfig, TrainConfig
+from codegeex_train.config.deepspeed import build_deepspeed_config
+from codegeex_train.config.model import ModelConfig
+from codegeex_train.distributed.layout import Layout
+from codegeex_train.distributed.topology import ParallelDims, Topology
 from codegeex_train.model.codegeex import CodeGeeXModel
-from codegeex_train.model.config import ModelConfig
 from codegeex_train.model.flops import model_flops_per_iteration
-from codegeex_train.model.sharding import hf_gpt2_config
-from codegeex_train.optim import LRSchedule, build_optimizer
 from codegeex_train.tensor_parallel import model_parallel_seed
-from codegeex_train.topology import DeepSpeedMPU, ParallelDims, Topology
+from codegeex_train.training.engine import build_engine
+from codegeex_train.training.optim import build_optimizer
 
 PHASES = ("forward", "backward", "step", "total")
 
 
 @dataclass(frozen=True)
-class Layout:
+class BenchLayout:
     tp_size: int
     dp_size: int
 
     @classmethod
-    def parse(cls, text: str) -> "Layout":
+    def parse(cls, text: str) -> "BenchLayout":
         tp, dp = (int(x) for x in text.lower().split("x"))
         return cls(tp, dp)
 
@@ -206,7 +207,7 @@ class PlainHFStack(LoopStack):
 class MegatronStack(LoopStack):
     """megatron-core's GPTModel, tensor parallel over every rank (TP x 1), by the same plain loop."""
 
-    def __init__(self, spec: BenchSpec, device: torch.device, layout: Layout):
+    def __init__(self, spec: BenchSpec, device: torch.device, layout: BenchLayout):
         import megatron_core_baseline as mcore  # benchmarks/, on sys.path as the script's folder
 
         self.mcore = mcore
@@ -231,22 +232,16 @@ def build_plain_hf(spec: BenchSpec, device: torch.device) -> PlainHFStack:
     return PlainHFStack(model, build_optimizer(model, spec.optim), spec.micro_batch_size, spec, device)
 
 
-def build_ours(topology: Topology, spec: BenchSpec, device: torch.device, layout: Layout) -> OurStack:
-    import deepspeed
-
+def build_ours(topology: Topology, spec: BenchSpec, device: torch.device, layout: BenchLayout) -> OurStack:
     tracker = model_parallel_seed(spec.seed, topology.tp_rank, device)
     model = CodeGeeXModel(spec.model, topology.tp_group, tracker, seed=spec.seed, device=device)
-    optimizer = build_optimizer(model, spec.optim)
-    schedule = LRSchedule(optimizer, spec.optim, spec.iters + spec.warmup_iters)
-    plan = BatchPlan(ParallelDims(layout.world_size, layout.tp_size), spec.micro_batch_size, 1)
-    config = build_deepspeed_config(ds_args(spec, spec.micro_batch_size), plan)
-    mpu = DeepSpeedMPU(topology)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule, mpu=mpu,
-                                           config=config, dist_init_required=False)
-    return OurStack("ours", engine, mpu, topology.dp_rank, spec.micro_batch_size, spec, device)
+    batch_layout = Layout(ParallelDims(layout.world_size, layout.tp_size), spec.micro_batch_size, 1)
+    config = build_deepspeed_config(ds_args(spec, spec.micro_batch_size), batch_layout)
+    engine = build_engine(model, spec.optim, spec.iters + spec.warmup_iters, config, topology)
+    return OurStack("ours", engine, engine.mpu, topology.dp_rank, spec.micro_batch_size, spec, device)
 
 
-def hf_micro_batch_size(spec: BenchSpec, layout: Layout) -> int:
+def hf_micro_batch_size(spec: BenchSpec, layout: BenchLayout) -> int:
     """HF runs DP over every rank with our global batch: micro x DP_ours / world."""
     global_batch = spec.micro_batch_size * layout.dp_size
     if global_batch % layout.world_size:
@@ -255,28 +250,25 @@ def hf_micro_batch_size(spec: BenchSpec, layout: Layout) -> int:
     return global_batch // layout.world_size
 
 
-def build_hf(topology: Topology, spec: BenchSpec, device: torch.device, layout: Layout) -> HFStack:
-    import deepspeed
+def build_hf(topology: Topology, spec: BenchSpec, device: torch.device, layout: BenchLayout) -> HFStack:
     from deepspeed.utils import groups
-    from transformers import GPT2LMHeadModel, logging as hf_logging
+    from transformers import GPT2LMHeadModel
+    from transformers import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # GPT2Config's default token ids lie outside a small vocabulary: harmless
     hf_config = hf_gpt2_config(spec.model)
     hf_config.use_cache = False  # training: no key/value cache
     torch.manual_seed(spec.seed)  # same replica on every rank (DeepSpeed also broadcasts it)
     model = GPT2LMHeadModel(hf_config).to(device)
-    optimizer = build_optimizer(model, spec.optim)
-    schedule = LRSchedule(optimizer, spec.optim, spec.iters + spec.warmup_iters)
     micro = hf_micro_batch_size(spec, layout)
-    plan = BatchPlan(ParallelDims(layout.world_size, 1), micro, 1)
-    config = build_deepspeed_config(ds_args(spec, micro), plan)
+    batch_layout = Layout(ParallelDims(layout.world_size, 1), micro, 1)
+    config = build_deepspeed_config(ds_args(spec, micro), batch_layout)
     groups.mpu = None  # else this engine would inherit our engine's mpu (see Stack.iteration)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule, config=config,
-                                           dist_init_required=False)
+    engine = build_engine(model, spec.optim, spec.iters + spec.warmup_iters, config)
     return HFStack("HF", engine, None, topology.rank, micro, spec, device)
 
 
-def bench_rank(topology: Topology, *, spec: BenchSpec, layout: Layout) -> dict | None:
+def bench_rank(topology: Topology, *, spec: BenchSpec, layout: BenchLayout) -> dict | None:
     """Build both engines on this rank, run them interleaved, return rank 0's summary."""
     import deepspeed
 
@@ -319,7 +311,7 @@ def model_config(a: argparse.Namespace) -> ModelConfig:
                        activation="gelu_tanh", top_query_layer=False, vocab_size=a.vocab_size)
 
 
-def report(layout: Layout, spec: BenchSpec, r: dict) -> str:
+def report(layout: BenchLayout, spec: BenchSpec, r: dict) -> str:
     ours, hf = r["ours"], r["HF"]
     gflop = model_flops_per_iteration(spec.model, ours["global_batch"], spec.seq_length) / 1e9
     head = (f"{layout}: {layout.world_size} rank(s) x {r['threads_per_rank']} thread(s); HF attention "
@@ -358,7 +350,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch-size", type=int, default=4, help="sequences per micro-batch per DP rank (ours)")
     p.add_argument("--iters", type=int, default=8, help="timed iterations per stack (the median is reported)")
     p.add_argument("--warmup-iters", type=int, default=1, help="untimed iterations per stack first")
-    p.add_argument("--configs", nargs="+", type=Layout.parse, default=[Layout(1, 1), Layout(1, 2), Layout(2, 1)],
+    p.add_argument("--configs", nargs="+", type=BenchLayout.parse, default=[BenchLayout(1, 1), BenchLayout(1, 2), BenchLayout(2, 1)],
                    metavar="TPxDP", help="layouts to compare (default: 1x1 1x2 2x1)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="CPU threads for all ranks together")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda needs a launcher (torchrun)")
@@ -418,7 +410,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  {str(layout):12} {o:8.0f} {h:8.0f} {o / h:8.2f} {other}")
 
 
-def run_launched(spec: BenchSpec, layout: Layout) -> dict | None:
+def run_launched(spec: BenchSpec, layout: BenchLayout) -> dict | None:
     """Under torchrun / the deepspeed launcher: join its process group and bench on it."""
     if spec.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

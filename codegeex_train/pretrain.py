@@ -22,54 +22,68 @@ import dataclasses
 import os
 import sys
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from codegeex_train.accounting import Workload, expected_memory_report
-from codegeex_train.arguments import Args, BatchPlan, ConfigError, parse_args, validate
-from codegeex_train.cluster import (
+from codegeex_train.checkpoint.resume import Resume, preflight_resume, restore
+from codegeex_train.checkpoint.train_state import TrainState
+from codegeex_train.config.arguments import Args, ConfigError, parse_args, validate
+from codegeex_train.config.deepspeed import build_deepspeed_config, load_user_config
+from codegeex_train.data.tokenizer import Tokenizer, load_tokenizer
+from codegeex_train.distributed.cluster import (
     ClusterError,
     cluster_report,
     gather_places,
     join_process_group,
     rank_env_from_slurm,
 )
-from codegeex_train.ds_config import build_deepspeed_config, load_user_config
-from codegeex_train.model.checkpoint import load_model_checkpoint
+from codegeex_train.distributed.layout import Layout
+from codegeex_train.distributed.malloc import fix_malloc_thresholds
+from codegeex_train.distributed.topology import Topology
+from codegeex_train.evaluation.during_training import humaneval_callback
+from codegeex_train.metrics import MetricsLogger
 from codegeex_train.model.codegeex import CodeGeeXModel
 from codegeex_train.model.flops import model_flops_per_iteration
 from codegeex_train.model.summary import model_summary
-from codegeex_train.optim import LRSchedule, build_optimizer
-from codegeex_train.pipeline import mark_shared_embedding_copy, sync_shared_embedding
+from codegeex_train.pipeline import mark_shared_embedding_copy
 from codegeex_train.tensor_parallel import model_parallel_seed
-from codegeex_train.topology import DeepSpeedMPU, Topology
-from codegeex_train.training.checkpointing import TrainState, has_optimizer_states, load_checkpoint, preflight_load
-from codegeex_train.training.data import build_datasets, load_tokenizer, loader, num_samples, preflight_data
+from codegeex_train.training.data import build_datasets, loader, num_samples, preflight_data
+from codegeex_train.training.engine import build_engine
 from codegeex_train.training.exit_conditions import ExitConditions
-from codegeex_train.training.malloc import fix_malloc_thresholds
-from codegeex_train.training.metrics import MetricsLogger
+from codegeex_train.training.fault_injection import step_context_from_environment
 from codegeex_train.training.trainer import Run, train
-from codegeex_train.training.universal import load_universal_training_state, load_universal_weights
 
 
-def prepare(argv: list[str] | None) -> tuple[Args, BatchPlan, dict, dict | None]:
+@dataclass
+class Prepared:
+    """What ``prepare`` checked and derived before any process group exists."""
+
+    args: Args
+    layout: Layout
+    ds_config: dict
+    resume: Resume | None  # None: a fresh start
+    tokenizer: Tokenizer
+
+
+def prepare(argv: list[str] | None) -> Prepared:
     """Parse and check everything that can be checked without a process group."""
     args = parse_args(argv)
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    plan = validate(args, world_size)
-    tokenizer = load_tokenizer(args.data)
-    args.model.vocab_size = tokenizer.vocab_size
-    args.tokenizer = tokenizer  # for generation during training (--eval-humaneval-interval)
+    layout = validate(args, world_size)
     try:
-        args.model.validate(plan.dims.tp_size)
-    except ValueError as e:
+        tokenizer = load_tokenizer(args.data)
+        args.model.vocab_size = tokenizer.vocab_size
+        args.model.validate(layout.dims.tp_size)
+    except ValueError as e:  # TokenizerError, ModelConfigError
         raise ConfigError(str(e)) from None
     preflight_data(args.data, args.model.padded_vocab_size)
-    ds_config = build_deepspeed_config(args, plan, load_user_config(args.train.deepspeed_config))
-    resume = preflight_load(args.train.load, args.model, plan.dims) if args.train.load else None
-    return args, plan, ds_config, resume
+    ds_config = build_deepspeed_config(args, layout, load_user_config(args.train.deepspeed_config))
+    resume = preflight_resume(args.train.load, args.model, layout.dims) if args.train.load else None
+    return Prepared(args, layout, ds_config, resume, tokenizer)
 
 
 def skip_inference_comm_op() -> None:
@@ -83,7 +97,7 @@ def skip_inference_comm_op() -> None:
         compatible["deepspeed_shm_comm"] = False
 
 
-def init_distributed(args: Args, plan: BatchPlan) -> tuple[Topology, torch.device]:
+def init_distributed(args: Args, layout: Layout) -> tuple[Topology, torch.device]:
     """Join (or create) the default process group, every wait bounded by --distributed-timeout-minutes; then
     build the topology's groups."""
     import deepspeed
@@ -106,7 +120,7 @@ def init_distributed(args: Args, plan: BatchPlan) -> tuple[Topology, torch.devic
         join_process_group(backend, timeout, device)
     skip_inference_comm_op()
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)
-    return Topology(plan.dims, timeout=timeout), device
+    return Topology(layout.dims, timeout=timeout), device
 
 
 def report_cluster(topology: Topology) -> dict:
@@ -120,19 +134,18 @@ def report_cluster(topology: Topology) -> dict:
 def main(argv: list[str] | None = None) -> TrainState:
     start_time = time.time()  # --exit-duration-in-mins counts from here, as Megatron's does
     if os.environ.get("DS_ACCELERATOR") == "cpu" or not torch.cuda.is_available():
-        fix_malloc_thresholds()  # CPU: RSS stays flat (training/malloc.py); MALLOC_*_ set at launch win
+        fix_malloc_thresholds()  # CPU: RSS stays flat (distributed/malloc.py); MALLOC_*_ set at launch win
     if not dist.is_initialized():
         rank_env_from_slurm()
     try:
-        args, plan, ds_config, resume = prepare(argv)
+        prepared = prepare(argv)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+    args, layout, ds_config = prepared.args, prepared.layout, prepared.ds_config
     owns_process_group = not dist.is_initialized()
-    import deepspeed
-
     try:
-        topology, device = init_distributed(args, plan)
+        topology, device = init_distributed(args, layout)
     except ClusterError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
@@ -142,44 +155,26 @@ def main(argv: list[str] | None = None) -> TrainState:
     # stages differ (Megatron's +100 per stage) so they do not repeat each other's masks.
     tracker = model_parallel_seed(t.seed + 100 * topology.pp_rank, topology.tp_rank, device)
     model = CodeGeeXModel(args.model, topology.tp_group, tracker, seed=t.seed, pre_process=topology.is_first_stage,
-                          post_process=topology.is_last_stage, layer_numbers=plan.stage_layers[topology.pp_rank],
+                          post_process=topology.is_last_stage, layer_numbers=layout.stage_layers[topology.pp_rank],
                           checkpoint_activations=t.checkpoint_activations, device=device)
     mark_shared_embedding_copy(model, topology)
-    workload = Workload.from_run(args, plan, ds_config, device.type)
+    workload = Workload.from_run(args, layout, ds_config, device.type)
     if topology.rank == 0:
         print(model_summary(model, args.model, topology.tp_size, topology.pp_size), flush=True)
         print(expected_memory_report(workload), flush=True)
-    if resume and resume.get("universal"):  # any layout: this rank's slice of the weights, before ZeRO copies them
-        load_universal_weights(model, t.load, resume["tag"], pp_rank=topology.pp_rank, stage_layers=plan.stage_layers)
-    elif resume and not has_optimizer_states(t.load, resume["tag"]):
-        load_model_checkpoint(t.load, model, pp_size=topology.pp_size, pp_rank=topology.pp_rank)
-        resume = None  # weights only (e.g. converted from Hugging Face): training state starts afresh
-    sync_shared_embedding(model, topology)  # the last stage's output layer starts as the first stage's copy
-
-    optimizer = build_optimizer(model, args.optim)
-    schedule = LRSchedule(optimizer, args.optim, t.train_iters)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
-                                           mpu=DeepSpeedMPU(topology), config=ds_config, dist_init_required=False)
-    if resume and resume.get("universal"):
-        state = load_universal_training_state(engine, t.load, resume["tag"], pp_rank=topology.pp_rank,
-                                              stage_layers=plan.stage_layers)
-        sync_shared_embedding(engine.module, topology)
-    elif resume:
-        state = load_checkpoint(engine, t.load, resume["tag"], tracker)
-        sync_shared_embedding(engine.module, topology)
-    else:
-        state = TrainState()
+    engine, state = restore(prepared.resume, model, topology, tracker, layout.stage_layers,
+                            lambda m: build_engine(m, args.optim, t.train_iters, ds_config, topology))
 
     if state.iteration >= t.train_iters:
         print(f"--load {t.load} is at iteration {state.iteration} of --train-iters {t.train_iters}: nothing to "
               f"train; raise --train-iters to continue", flush=True)
         return state  # (the process group goes with the process)
-    train_ds, valid_ds, test_ds = build_datasets(args.data, t, plan, topology.rank)
-    sizes = num_samples(t, plan)
-    train_loader = loader(train_ds, state.consumed_train_samples, plan, topology.dp_rank, args.data.num_workers,
+    train_ds, valid_ds, test_ds = build_datasets(args.data, t, layout, topology.rank)
+    sizes = num_samples(t, layout)
+    train_loader = loader(train_ds, state.consumed_train_samples, layout, topology.dp_rank, args.data.num_workers,
                           sizes[0])
-    valid_loader = valid_ds and loader(valid_ds, 0, plan, topology.dp_rank, 0, sizes[1])
-    test_loader = test_ds and loader(test_ds, 0, plan, topology.dp_rank, 0, sizes[2])
+    valid_loader = valid_ds and loader(valid_ds, 0, layout, topology.dp_rank, 0, sizes[1])
+    test_loader = test_ds and loader(test_ds, 0, layout, topology.dp_rank, 0, sizes[2])
 
     logging_rank = topology.is_last_stage and topology.tp_rank == 0 and topology.dp_rank == 0
     run_config = {name: dataclasses.asdict(getattr(args, name)) for name in ("model", "parallel", "train", "optim",
@@ -188,12 +183,16 @@ def main(argv: list[str] | None = None) -> TrainState:
                            run_config={**run_config, "cluster": cluster}, train_iters=t.train_iters,
                            start_iteration=state.iteration, resume_wandb_id=state.wandb_run_id)
     logger.log_metadata({"iteration": state.iteration, "cluster": cluster})
-    flops = model_flops_per_iteration(args.model, plan.global_batch_size, t.seq_length, t.checkpoint_activations)
+    flops = model_flops_per_iteration(args.model, layout.global_batch_size, t.seq_length, t.checkpoint_activations)
     peak = args.logging.peak_tflops * 1e12 if args.logging.peak_tflops else None
     exit_conditions = ExitConditions(signal_handler=t.exit_signal_handler, duration_mins=t.exit_duration_in_mins,
                                      start_time=start_time, device=device)
-    run = Run(args, plan, topology, engine, tracker, device, logger, flops, peak, exit_conditions=exit_conditions,
-              tokenizer=args.tokenizer, workload=workload)
+    humaneval = humaneval_callback(engine, prepared.tokenizer, device, topology, tasks=t.eval_humaneval_tasks,
+                                   max_new_tokens=t.eval_humaneval_max_new_tokens,
+                                   execute=logger.enabled) if t.eval_humaneval_interval else None
+    run = Run(args, layout, topology, engine, tracker, device, logger, flops, peak, exit_conditions=exit_conditions,
+              workload=workload, evaluate_humaneval=humaneval,
+              step_context=step_context_from_environment(engine.module))
     try:
         state = train(run, state, train_loader, valid_loader, test_loader)
     finally:

@@ -6,15 +6,23 @@ spawns 4 processes on a free port, builds the Topology in each, calls ``check_la
 on every rank and returns the per-rank return values. Any rank's exception fails the call with that
 rank's traceback; every collective has a timeout and the whole run a deadline, so a broken test fails
 instead of hanging CI. ``fn`` must be a module-level function (it is pickled into the spawned ranks). Return plain
-values or numpy arrays, not torch tensors: a tensor comes back as a shared-memory handle that can vanish with its
-rank before the parent reads it (FileNotFoundError in multiprocessing's resource_sharer).
+values or numpy arrays: a torch tensor put on the results queue as it is would come back as a shared-memory handle
+that can vanish with its rank before the parent reads it (FileNotFoundError in multiprocessing's resource_sharer),
+so every tensor in the result (also inside lists, tuples and dicts) is turned into a numpy array in the rank
+(detached, on the CPU; a dtype numpy lacks, e.g. bfloat16, as float32) before it is sent.
+
+``run_process_group`` runs a launcher (deepspeed, torchrun, a shell script) in a session of its own and, on
+timeout, kills its whole process group: ``subprocess.run(timeout=...)`` kills only the launcher and leaves its
+ranks running.
 """
 
 from __future__ import annotations
 
 import os
 import queue as queue_lib
+import signal
 import socket
+import subprocess
 import time
 import traceback
 from datetime import timedelta
@@ -24,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .topology import ParallelDims, Topology
+from codegeex_train.distributed.topology import ParallelDims, Topology
 
 
 class RankFailure(AssertionError):
@@ -37,6 +45,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def numpy_results(value: Any) -> Any:
+    """``value`` with every torch tensor in it (also inside lists, tuples and dicts) replaced by a numpy array: what a
+    rank sends back. Detached and on the CPU; a dtype numpy lacks (bfloat16, ...) becomes float32."""
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach().cpu()
+        try:
+            return tensor.numpy().copy()
+        except TypeError:  # no numpy dtype for it
+            return tensor.float().numpy().copy()
+    if isinstance(value, dict):
+        return {k: numpy_results(v) for k, v in value.items()}  # a plain dict (also for dict subclasses)
+    if isinstance(value, list):
+        return [numpy_results(v) for v in value]
+    if isinstance(value, tuple) and not isinstance(value, torch.Size):
+        items = [numpy_results(v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)  # namedtuples keep their type
+    return value
+
+
 def _worker(rank: int, dims: ParallelDims, port: int, fn: Callable, kwargs: dict, results, collective_timeout: float):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(dims.world_size), LOCAL_RANK=str(rank))
@@ -45,7 +72,7 @@ def _worker(rank: int, dims: ParallelDims, port: int, fn: Callable, kwargs: dict
     try:
         dist.init_process_group("gloo", rank=rank, world_size=dims.world_size, timeout=timeout)
         topology = Topology(dims, rank=rank, timeout=timeout)
-        results.put((rank, None, fn(topology, **kwargs)))
+        results.put((rank, None, numpy_results(fn(topology, **kwargs))))
     except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
         results.put((rank, traceback.format_exc(), None))
     finally:
@@ -113,6 +140,45 @@ def run_distributed(fn: Callable[..., Any], world_size: int, tp_size: int = 1, p
     raise AssertionError("unreachable")
 
 
+def run_process_group(cmd, *, timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, timeout=timeout, **kwargs)``, but the command starts a session (and process group) of
+    its own and, on timeout, the whole group is SIGKILLed (the launcher and every rank or child it started that
+    stayed in the group) before ``subprocess.TimeoutExpired`` is raised. Output passes through as with
+    ``subprocess.run`` (``capture_output``, ``text``, ``check``, ``cwd``, ``env`` ...)."""
+    check = kwargs.pop("check", False)
+    input_ = kwargs.pop("input", None)
+    if kwargs.pop("capture_output", False):
+        kwargs["stdout"] = kwargs["stderr"] = subprocess.PIPE
+    if input_ is not None:
+        kwargs["stdin"] = subprocess.PIPE
+    with subprocess.Popen(cmd, start_new_session=True, **kwargs) as proc:
+        try:
+            stdout, stderr = proc.communicate(input_, timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            _kill_group(proc)
+            try:  # what it wrote before; a process that left the group may still hold the pipes: do not wait on it
+                e.stdout, e.stderr = proc.communicate(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+            raise
+        except BaseException:
+            _kill_group(proc)
+            raise
+    result = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    if check:
+        result.check_returncode()
+    return result
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc``'s process group (its pid: it leads a session of its own), then reap ``proc``."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
 def load_tool(name: str):
     """``tools/<name>.py`` of this checkout as a module (tools/ is not a package), e.g. to call its main()."""
     import importlib.util
@@ -162,7 +228,7 @@ def tiny_pretrain_args(data, save, iters: int = 20, *extra: str) -> list[str]:
 
 def run_pretrain(topology, argv: list[str]) -> None:
     """A rank's body for ``run_distributed``: ``pretrain.main(argv)`` on the rank's process group."""
-    from .pretrain import main
+    from codegeex_train.pretrain import main
 
     main(argv)
 
@@ -182,12 +248,25 @@ def metrics_records(run_dir, split: str = "train") -> dict[int, dict]:
     return {r["iteration"]: r for r in read_metrics(run_dir) if r.get("split", "train") == split}
 
 
+def checkpoint_at(run_dir, out, iteration: int) -> str:
+    """A copy of run ``run_dir`` in ``out`` whose ``latest`` names ``iteration`` and that holds no metrics.jsonl:
+    what a run stopped after that iteration would have left (for resume tests)."""
+    import shutil
+
+    from codegeex_train.checkpoint.files import checkpoint_tag, write_latest
+
+    shutil.copytree(run_dir, out)
+    os.remove(os.path.join(out, "metrics.jsonl"))
+    write_latest(out, checkpoint_tag(iteration))
+    return str(out)
+
+
 def write_indexed_dataset(prefix, documents, dtype=None) -> None:
     """PREFIX.bin/.idx holding ``documents`` (sequences of token ids), one document each, in ``dtype``
     (default int32): small hand-made corpora for the data and training tests."""
     import numpy as np
 
-    from .data.indexed_dataset import IndexedDatasetBuilder
+    from codegeex_train.data.indexed_dataset import IndexedDatasetBuilder
 
     dtype = np.int32 if dtype is None else dtype
     with IndexedDatasetBuilder(str(prefix), dtype) as builder:

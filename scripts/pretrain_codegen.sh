@@ -67,7 +67,7 @@ else
   export DS_ACCELERATOR=cpu OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
   # DeepSpeed JIT-builds a CPU comm op once; keep it with the checkout.
   export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$ROOT/.cache/torch_extensions}
-  # Fixed glibc malloc thresholds (training/malloc.py): the adaptive mmap threshold fragments the heap (peak RSS
+  # Fixed glibc malloc thresholds (distributed/malloc.py): the adaptive mmap threshold fragments the heap (peak RSS
   # 0.8 -> 2.3 GB a rank); 4 MiB keeps it flat at the adaptive speed.
   export MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-4194304}
   export MALLOC_TRIM_THRESHOLD_=${MALLOC_TRIM_THRESHOLD_:-4194304}

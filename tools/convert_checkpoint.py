@@ -19,7 +19,7 @@ and pipeline-parallel size.
 
 The output uses the training checkpoint layout (OUT_DIR/latest, OUT_DIR/iter_0000000/mp_rank_XX_model_states.pt),
 so ``--load OUT_DIR`` in training with the same TP / PP flags picks it up. Every file read is unpickled
-weights-only (codegeex_train/safe_load.py): one whose pickle would run code is refused. --to-hf writes
+weights-only (codegeex_train/checkpoint/safe_load.py): one whose pickle would run code is refused. --to-hf writes
 safetensors; --to-codegeex a torch.save file of tensors only, like the released one. Bad input ends with one
 ``convert_checkpoint.py: error: ...`` line and a non-zero exit. The CodeGeeX name mapping (separate Q, K, V <->
 our fused query_key_value; the top query layer's K, V <-> key_value) is in codegeex_train/model/codegeex_weights.py.
@@ -35,30 +35,25 @@ from typing import NamedTuple
 
 import torch
 
-from codegeex_train.model.checkpoint import (
-    CheckpointError,
-    load_full_state_dict,
-    read_checkpoint_meta,
-    save_model_checkpoint,
-)
-from codegeex_train.model.codegeex_weights import (
+from codegeex_train.checkpoint.codegeex_weights import (
     codegeex_checkpoint,
     codegeex_state_dict,
     codegeex_to_full,
     config_from_codegeex,
     full_to_codegeex,
 )
-from codegeex_train.model.config import ModelConfig
-from codegeex_train.model.sharding import (
-    config_from_hf_gpt2,
-    full_to_hf_gpt2,
-    hf_gpt2_config,
-    hf_gpt2_to_full,
-    split_model_parallel,
+from codegeex_train.checkpoint.files import (
+    CheckpointError,
+    load_full_state_dict,
+    read_checkpoint_meta,
+    save_model_checkpoint,
 )
+from codegeex_train.checkpoint.hf_gpt2 import config_from_hf_gpt2, full_to_hf_gpt2, hf_gpt2_config, hf_gpt2_to_full
+from codegeex_train.checkpoint.safe_load import safe_torch_load, verify_files
+from codegeex_train.checkpoint.sharding import split_model_parallel
+from codegeex_train.checkpoint.universal import to_universal
+from codegeex_train.config.model import ModelConfig
 from codegeex_train.pipeline.stages import stage_layer_ranges
-from codegeex_train.safe_load import safe_torch_load, verify_files
-from codegeex_train.training.universal import to_universal
 
 PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth")  # what an HF directory may hold besides safetensors
 

@@ -108,7 +108,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def checkpoint_iteration(load_dir: str) -> int:
-    from codegeex_train.model.checkpoint import read_latest
+    from codegeex_train.checkpoint.files import read_latest
 
     match = re.search(r"(\d+)$", read_latest(load_dir))
     return int(match.group(1)) if match else 0
@@ -117,9 +117,9 @@ def checkpoint_iteration(load_dir: str) -> int:
 def generate(args, problems) -> list[dict]:
     import torch
 
-    from codegeex_train.arguments import DataConfig
+    from codegeex_train.config.arguments import DataConfig
+    from codegeex_train.data.tokenizer import load_tokenizer
     from codegeex_train.evaluation import default_params, generate_samples
-    from codegeex_train.training.data import load_tokenizer
 
     try:
         from codegeex_train.generation import Generator
@@ -143,9 +143,18 @@ def generate(args, problems) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    from codegeex_train.evaluation import (ProblemsError, Sandbox, SandboxConfig, SandboxError, evaluate_samples,
-                                           log_humaneval_metrics, read_problems, read_samples, select_tasks,
-                                           write_jsonl)
+    from codegeex_train.evaluation import (
+        ProblemsError,
+        Sandbox,
+        SandboxConfig,
+        SandboxError,
+        evaluate_samples,
+        log_humaneval_metrics,
+        read_problems,
+        read_samples,
+        select_tasks,
+        write_jsonl,
+    )
 
     try:
         problems = read_problems(args.problems)

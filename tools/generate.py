@@ -36,14 +36,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from codegeex_train.arguments import ConfigError, DataConfig, ParallelConfig
-from codegeex_train.cluster import ClusterError, join_process_group, rank_env_from_slurm
+from codegeex_train.checkpoint.files import CheckpointError
+from codegeex_train.config.arguments import ConfigError, DataConfig, ParallelConfig
+from codegeex_train.config.model import ModelConfig
+from codegeex_train.data.tokenizer import TokenizerError, load_tokenizer
+from codegeex_train.distributed.cluster import ClusterError, join_process_group, rank_env_from_slurm
+from codegeex_train.distributed.topology import ParallelDims, Topology
 from codegeex_train.generation import Generator, SamplingParams
 from codegeex_train.generation.generator import check_checkpoint_layout
-from codegeex_train.model.checkpoint import CheckpointError
-from codegeex_train.model.config import ModelConfig
-from codegeex_train.topology import ParallelDims, Topology
-from codegeex_train.training.data import load_tokenizer
 
 PROG = "generate.py"
 TOKENIZER_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "whitespace_encoding")
@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
     try:  # the same on every rank: rank 0 reports
         params, tokenizer, config, records = prepare(args, world_size)
         sink = Sink(args.output, rank)
-    except (GenerateError, ConfigError, CheckpointError, OSError) as e:
+    except (GenerateError, ConfigError, TokenizerError, CheckpointError, OSError) as e:
         fail(str(e), rank)
     owns_group = world_size > 1 and not dist.is_initialized()
     try:

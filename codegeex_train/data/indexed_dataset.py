@@ -163,10 +163,6 @@ class MMapIndexedDataset:
         return self._lengths
 
     @property
-    def sequence_pointers(self) -> np.ndarray:
-        return self._pointers
-
-    @property
     def document_indices(self) -> np.ndarray:
         return self._doc_indices
 

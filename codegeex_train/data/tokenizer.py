@@ -345,6 +345,23 @@ def default_tokenizer(whitespace_encoding: bool = True) -> Tokenizer:
     return build_tokenizer("HFTokenizer", path, whitespace_encoding=whitespace_encoding)
 
 
+def load_tokenizer(flags) -> Tokenizer:
+    """The tokenizer the data flags name: ``flags`` has ``DataConfig``'s ``tokenizer_type``, ``tokenizer_model``,
+    ``vocab_file``, ``merge_file`` and ``whitespace_encoding``; no ``--tokenizer-type`` means the shipped default.
+    Raises ``TokenizerError`` naming the flag."""
+    if flags.tokenizer_type is None:
+        if flags.tokenizer_model or flags.vocab_file or flags.merge_file:
+            raise TokenizerError("--tokenizer-model/--vocab-file/--merge-file given without --tokenizer-type")
+        return default_tokenizer()
+    try:
+        return build_tokenizer(flags.tokenizer_type, flags.tokenizer_model, flags.vocab_file, flags.merge_file,
+                               flags.whitespace_encoding)
+    except TokenizerError:
+        raise
+    except (ValueError, OSError) as e:
+        raise TokenizerError(str(e)) from None
+
+
 def check_tokenizer_fits_vocab(tokenizer: Tokenizer, padded_vocab_size: int) -> None:
     """ValueError when the tokenizer can emit ids the model's embedding has no row for."""
     if tokenizer.vocab_size > padded_vocab_size:

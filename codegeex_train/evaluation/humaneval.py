@@ -19,10 +19,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..generation.text import HUMANEVAL_STOP  # Codex's stop strings, shared with generation
-from .pass_at_k import pass_at_k
-from .problems import ProblemsError, read_problems, write_jsonl
-from .sandbox import ExecResult, Sandbox, SandboxConfig
+from codegeex_train.evaluation.pass_at_k import pass_at_k
+from codegeex_train.evaluation.problems import ProblemsError, read_problems, write_jsonl
+from codegeex_train.evaluation.sandbox import ExecResult, Sandbox, SandboxConfig
+from codegeex_train.generation.text import HUMANEVAL_STOP  # Codex's stop strings, shared with generation
 
 __all__ = ["HUMANEVAL_STOP", "Evaluation", "build_program", "select_tasks", "evaluate_samples",
            "generate_samples", "evaluate_humaneval", "humaneval_record", "log_humaneval_metrics"]
@@ -140,7 +140,7 @@ def generate_samples(generator, problems: Mapping[str, dict], *, num_samples: in
 def default_params(num_samples: int = 1, *, max_new_tokens: int = 300, temperature: float | None = None,
                    top_p: float = 0.95, top_k: int = 0, seed: int = 1234):
     """Greedy for one sample per task; otherwise temperature (default 0.8) and nucleus sampling."""
-    from ..generation import SamplingParams
+    from codegeex_train.generation import SamplingParams
 
     if num_samples == 1 and temperature is None:
         return SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, seed=seed,
@@ -186,7 +186,7 @@ def log_humaneval_metrics(run_dir: str | os.PathLike, iteration: int, metrics: M
     """Append ``{"iteration", "split": "humaneval", **metrics}`` to ``run_dir/metrics.jsonl`` (the training
     run's file when ``run_dir`` is its --save directory) and, with ``wandb_project``, log it to wandb
     (``humaneval/pass@1`` ... at step ``iteration``; run ``wandb_id`` when given, offline without a key)."""
-    from ..training.metrics import JsonlSink, WandbSink, plain_record, redact_secrets
+    from codegeex_train.metrics import JsonlSink, WandbSink, plain_record, redact_secrets
 
     record = redact_secrets(plain_record(humaneval_record(iteration, metrics)))
     sinks = [JsonlSink(Path(run_dir) / "metrics.jsonl")]

@@ -6,11 +6,13 @@
 
 ``tools/generate.py`` is the command line around it; ``generator.py`` explains the cache, the padding and
 how the TP ranks agree on every token.
+
+May import: ``checkpoint``, ``model``, ``data`` and below.
 """
 
-from .generator import Generator
-from .sampling import SamplingParams, sample_next_tokens, top_k_mask, top_p_mask
-from .text import HUMANEVAL_STOP, decode_whitespace_tokens, truncate_at_stop
+from codegeex_train.generation.generator import Generator
+from codegeex_train.generation.sampling import SamplingParams, sample_next_tokens, top_k_mask, top_p_mask
+from codegeex_train.generation.text import HUMANEVAL_STOP, decode_whitespace_tokens, truncate_at_stop
 
 __all__ = [
     "Generator",

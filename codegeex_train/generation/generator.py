@@ -34,14 +34,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..data.tokenizer import Tokenizer, WhitespaceEncodingTokenizer, check_tokenizer_fits_vocab
-from ..model.checkpoint import CheckpointError, load_model_checkpoint, read_checkpoint_meta
-from ..model.codegeex import CodeGeeXModel
-from ..model.config import ModelConfig
-from ..tensor_parallel import RNGStatesTracker
-from ..tensor_parallel.mappings import ProcessGroup, group_rank, group_size
-from .sampling import SamplingParams, sample_next_tokens
-from .text import decode_whitespace_tokens, truncate_at_stop
+from codegeex_train.checkpoint.files import CheckpointError, load_model_checkpoint, read_checkpoint_meta
+from codegeex_train.config.model import ModelConfig
+from codegeex_train.data.tokenizer import Tokenizer, WhitespaceEncodingTokenizer, check_tokenizer_fits_vocab
+from codegeex_train.generation.sampling import SamplingParams, sample_next_tokens
+from codegeex_train.generation.text import decode_whitespace_tokens, truncate_at_stop
+from codegeex_train.model.codegeex import CodeGeeXModel
+from codegeex_train.tensor_parallel import RNGStatesTracker
+from codegeex_train.tensor_parallel.mappings import ProcessGroup, group_rank, group_size
 
 _CONTEXT_TOKENS = 8  # prompt tokens decoded before a completion, so that its first characters decode as in context
 

@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..tensor_parallel import ColumnParallelLinear, RNGStatesTracker, RowParallelLinear, divide
-from ..tensor_parallel.mappings import ProcessGroup, group_size
-from .config import ModelConfig
-from .init import ParamInit
+from codegeex_train.config.model import ModelConfig
+from codegeex_train.model.init import ParamInit
+from codegeex_train.tensor_parallel import ColumnParallelLinear, RNGStatesTracker, RowParallelLinear, divide
+from codegeex_train.tensor_parallel.mappings import ProcessGroup, group_size
 
 
 def _split_heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:

@@ -19,13 +19,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..tensor_parallel import RNGStatesTracker, checkpoint, vocab_parallel_cross_entropy
-from ..tensor_parallel.mappings import ProcessGroup, group_rank, group_size
-from .attention import KVCache
-from .config import ModelConfig
-from .embedding import ReplicatedEmbedding, parallel_lm_logits, word_embeddings
-from .init import ParamInit
-from .transformer import ParallelTransformerLayer, TopQueryLayer, layer_norm
+from codegeex_train.config.model import ModelConfig
+from codegeex_train.model.attention import KVCache
+from codegeex_train.model.embedding import ReplicatedEmbedding, parallel_lm_logits, word_embeddings
+from codegeex_train.model.init import ParamInit
+from codegeex_train.model.transformer import ParallelTransformerLayer, TopQueryLayer, layer_norm
+from codegeex_train.tensor_parallel import RNGStatesTracker, checkpoint, vocab_parallel_cross_entropy
+from codegeex_train.tensor_parallel.mappings import ProcessGroup, group_rank, group_size
 
 
 class CodeGeeXModel(nn.Module):

@@ -6,13 +6,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..tensor_parallel import (
+from codegeex_train.model.init import ParamInit
+from codegeex_train.tensor_parallel import (
     VocabParallelEmbedding,
     copy_to_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region,
 )
-from ..tensor_parallel.mappings import ProcessGroup
-from .init import ParamInit
+from codegeex_train.tensor_parallel.mappings import ProcessGroup
 
 
 class ReplicatedEmbedding(nn.Module):

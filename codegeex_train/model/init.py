@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..tensor_parallel import init_normal
-from ..tensor_parallel.layers import InitMethod
+from codegeex_train.tensor_parallel import init_normal
+from codegeex_train.tensor_parallel.layers import InitMethod
 
 
 def param_generator(seed: int, name: str) -> torch.Generator:

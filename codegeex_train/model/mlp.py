@@ -6,10 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from ..tensor_parallel.mappings import ProcessGroup
-from .config import ModelConfig
-from .init import ParamInit
+from codegeex_train.config.model import ModelConfig
+from codegeex_train.model.init import ParamInit
+from codegeex_train.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from codegeex_train.tensor_parallel.mappings import ProcessGroup
 
 
 class _FastGeLU(torch.autograd.Function):

@@ -11,12 +11,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..tensor_parallel import RNGStatesTracker
-from ..tensor_parallel.mappings import ProcessGroup
-from .attention import KVCacheSlot, ParallelSelfAttention, TopQueryAttention
-from .config import ModelConfig
-from .init import ParamInit
-from .mlp import ParallelMLP
+from codegeex_train.config.model import ModelConfig
+from codegeex_train.model.attention import KVCacheSlot, ParallelSelfAttention, TopQueryAttention
+from codegeex_train.model.init import ParamInit
+from codegeex_train.model.mlp import ParallelMLP
+from codegeex_train.tensor_parallel import RNGStatesTracker
+from codegeex_train.tensor_parallel.mappings import ProcessGroup
 
 
 def layer_norm(config: ModelConfig, dtype: torch.dtype, device) -> nn.LayerNorm:

@@ -1,19 +1,27 @@
-"""Pipeline parallelism: stage splits, point-to-point, schedules (1F1B), the tied-embedding hook."""
+"""Pipeline parallelism: the layer split per stage (stages.py), point-to-point between neighbour stages (p2p.py),
+the 1F1B / no-pipelining / forward-only schedules as pure functions and their executor (schedules.py), and the
+tied-embedding gradient sum under ZeRO-2 (shared_embedding.py).
 
-from .p2p import P2PCommunicator
-from .schedules import (
+May import: ``distributed`` (the topology's groups); nothing above it."""
+
+from codegeex_train.pipeline.p2p import P2PCommunicator
+from codegeex_train.pipeline.schedules import (
     Op,
     PipelineStage,
     ScheduleStats,
     Step,
-    communication_plan,
     forward_only,
     no_pipelining,
     one_f_one_b,
     run_schedule,
+    with_p2p_ops,
 )
-from .shared_embedding import allreduce_shared_embedding_grads, mark_shared_embedding_copy, sync_shared_embedding
-from .stages import PipelineSplitError, stage_layer_counts, stage_layer_ranges
+from codegeex_train.pipeline.shared_embedding import (
+    allreduce_shared_embedding_grads,
+    mark_shared_embedding_copy,
+    sync_shared_embedding,
+)
+from codegeex_train.pipeline.stages import PipelineSplitError, stage_layer_counts, stage_layer_ranges
 
 __all__ = [
     "P2PCommunicator",
@@ -21,11 +29,11 @@ __all__ = [
     "PipelineStage",
     "ScheduleStats",
     "Step",
-    "communication_plan",
     "forward_only",
     "no_pipelining",
     "one_f_one_b",
     "run_schedule",
+    "with_p2p_ops",
     "allreduce_shared_embedding_grads",
     "mark_shared_embedding_copy",
     "sync_shared_embedding",

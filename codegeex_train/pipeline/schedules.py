@@ -8,7 +8,7 @@ A schedule is this stage's order of forward (F) and backward (B) micro-batch ste
       cool-down  B(m-w) .. B(m-1)                    the backwards still owed
     no pipelining (p = 1): F(0) B(0) F(1) B(1) ...   plain gradient accumulation (1F1B with w = 0)
 
-``communication_plan`` turns it into the ops the stage runs, pairing a send with the receive that follows
+``with_p2p_ops`` turns it into the ops the stage runs, pairing a send with the receive that follows
 it (send-forward + receive-backward after a steady forward, send-backward + receive-forward after a steady
 backward), as Megatron does. Stage s then holds at most w + 1 = p - s micro-batches of activations.
 
@@ -27,7 +27,7 @@ from typing import Protocol
 
 import torch
 
-from .p2p import P2PCommunicator
+from codegeex_train.pipeline.p2p import P2PCommunicator
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class Op:
     recv_mb: int | None = None  # the micro-batch received by a combined op
 
 
-def communication_plan(steps: list[Step], is_first: bool, is_last: bool) -> list[Op]:
+def with_p2p_ops(steps: list[Step], is_first: bool, is_last: bool) -> list[Op]:
     """The ops of a stage: each step with the receives it needs before and the sends it owes after."""
     ops: list[Op] = []
     received: set[tuple[str, int]] = set()
@@ -105,7 +105,7 @@ class ScheduleStats:
 def run_schedule(ops: list[Op], stage: PipelineStage, comm: P2PCommunicator,
                  stats: ScheduleStats | None = None) -> ScheduleStats:
     """Execute ``ops``. Activations (input, output) live from a micro-batch's forward to its backward;
-    a forward-only plan (no backward ops) drops them at once."""
+    forward-only ops (no backward) drops them at once."""
     stats = stats or ScheduleStats()
     has_backward = any(op.kind == "backward" for op in ops)
     inputs: dict[int, torch.Tensor | None] = {}

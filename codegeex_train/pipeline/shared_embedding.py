@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..topology import Topology
+from codegeex_train.distributed.topology import Topology
 
 
 def shared_embedding_weight(module: torch.nn.Module) -> torch.nn.Parameter | None:

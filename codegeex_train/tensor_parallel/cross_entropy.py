@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .mappings import ProcessGroup, group_rank, group_size
+from codegeex_train.tensor_parallel.mappings import ProcessGroup, group_rank, group_size
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .mappings import (
+from codegeex_train.tensor_parallel.mappings import (
     ProcessGroup,
     copy_to_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region,

@@ -1,1 +1,16 @@
-"""Training: the loop, checkpoints, and metrics (one record per logged step to console, JSON lines, wandb)."""
+"""The training loop and what it drives.
+
+==================  ======================================================================================
+``trainer.py``      the loop: the pipeline schedule's micro-batches, the tied-embedding gradient sum, DeepSpeed's
+                    step, then metrics, evaluation (a callback), checkpoints and exit conditions
+``stage.py``        one pipeline stage's forward and backward over its DeepSpeed engine
+``engine.py``       ``build_engine``: model -> optimizer -> LR schedule -> ``deepspeed.initialize``
+``optim.py``        AdamW with decay / no-decay groups, and Megatron's LR schedule
+``data.py``         the run's data: preflight checks, splits, per-rank loaders, batches
+``exit_conditions.py``  SIGTERM, wall-clock limit, NaN / Inf and fp16 skip limits: when and why to stop
+``fault_injection.py``  tests only: bad numbers at chosen iterations (reached through ``Run.step_context``)
+==================  ======================================================================================
+
+May import: ``checkpoint``, ``accounting``, ``metrics``, ``model``, ``config``, ``pipeline`` and below; never
+``evaluation`` or ``generation`` (pretrain.py hands the loop its evaluation as a callback).
+"""

@@ -1,33 +1,23 @@
-"""Training data: tokenizer, a preflight check of the indexed datasets, and per-rank loaders."""
+"""The training run's data: a preflight check of the indexed datasets, the splits, per-rank loaders and batches."""
 
 from __future__ import annotations
-
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
-from ..arguments import BatchPlan, ConfigError, DataConfig, TrainConfig
-from ..data.gpt_dataset import build_datasets_from_paths, build_train_valid_test_datasets, parse_data_prefix
-from ..data.indexed_dataset import IndexedDatasetError, MMapIndexedDataset
-from ..data.sampler import build_pretraining_data_loader
-from ..data.tokenizer import Tokenizer, build_tokenizer, default_tokenizer
+from codegeex_train.config.arguments import ConfigError, DataConfig, TrainConfig
+from codegeex_train.data.gpt_dataset import (
+    build_datasets_from_paths,
+    build_train_valid_test_datasets,
+    parse_data_prefix,
+)
+from codegeex_train.data.indexed_dataset import IndexedDatasetError, MMapIndexedDataset
+from codegeex_train.data.sampler import build_pretraining_data_loader
+from codegeex_train.distributed.layout import Layout
 
 # Token ids checked against the vocabulary at start-up: enough to catch data made with another
 # tokenizer, cheap enough (a memmap max) to never matter.
 _TOKENS_CHECKED = 1 << 24
-
-
-def load_tokenizer(cfg: DataConfig) -> Tokenizer:
-    if cfg.tokenizer_type is None:
-        if cfg.tokenizer_model or cfg.vocab_file or cfg.merge_file:
-            raise ConfigError("--tokenizer-model/--vocab-file/--merge-file given without --tokenizer-type")
-        return default_tokenizer()
-    try:
-        return build_tokenizer(cfg.tokenizer_type, cfg.tokenizer_model, cfg.vocab_file, cfg.merge_file,
-                               cfg.whitespace_encoding)
-    except (ValueError, OSError) as e:
-        raise ConfigError(str(e)) from None
 
 
 def _prefixes(cfg: DataConfig) -> list[tuple[str, str]]:
@@ -61,16 +51,16 @@ def preflight_data(cfg: DataConfig, padded_vocab_size: int) -> None:
                 f"--tokenizer-type/--tokenizer-model that tools/preprocess_data.py used")
 
 
-def num_samples(train: TrainConfig, plan: BatchPlan) -> tuple[int, int, int]:
+def num_samples(train: TrainConfig, layout: Layout) -> tuple[int, int, int]:
     """Samples each split must provide: every training step, and eval_iters global batches for eval/test."""
-    eval_samples = train.eval_iters * plan.global_batch_size
-    return train.train_iters * plan.global_batch_size, eval_samples, eval_samples
+    eval_samples = train.eval_iters * layout.global_batch_size
+    return train.train_iters * layout.global_batch_size, eval_samples, eval_samples
 
 
-def build_datasets(cfg: DataConfig, train: TrainConfig, plan: BatchPlan, rank: int):
+def build_datasets(cfg: DataConfig, train: TrainConfig, layout: Layout, rank: int):
     """Rank 0 builds (and caches) the sample indices first; the others then read them from the cache."""
     def build():
-        sizes = num_samples(train, plan)
+        sizes = num_samples(train, layout)
         if cfg.data_path:
             return build_train_valid_test_datasets(cfg.data_path, cfg.split, train.seq_length, train.seed, sizes)
         return build_datasets_from_paths(cfg.train_data_path, cfg.valid_data_path, cfg.test_data_path,
@@ -85,10 +75,10 @@ def build_datasets(cfg: DataConfig, train: TrainConfig, plan: BatchPlan, rank: i
     return datasets
 
 
-def loader(dataset, consumed_samples: int, plan: BatchPlan, dp_rank: int, num_workers: int, total_samples: int):
+def loader(dataset, consumed_samples: int, layout: Layout, dp_rank: int, num_workers: int, total_samples: int):
     """This DP rank's micro-batches from ``consumed_samples`` on; every TP/PP rank of it reads the same ones."""
-    return build_pretraining_data_loader(dataset, consumed_samples, plan.micro_batch_size, dp_rank,
-                                         plan.dims.dp_size, num_workers=num_workers, total_samples=total_samples)
+    return build_pretraining_data_loader(dataset, consumed_samples, layout.micro_batch_size, dp_rank,
+                                         layout.dims.dp_size, num_workers=num_workers, total_samples=total_samples)
 
 
 def position_ids(batch_size: int, seq_length: int, device: torch.device) -> torch.Tensor:
@@ -102,9 +92,3 @@ def get_batch(batch: dict, device: torch.device) -> dict[str, torch.Tensor]:
     tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
     return {"input_ids": tokens, "labels": labels, "position_ids": position_ids(*tokens.shape, device),
             "loss_mask": torch.ones_like(labels, dtype=torch.float32)}
-
-
-def cycle(data_loader) -> Iterator[dict]:
-    """Restart a finite loader (eval) from its beginning; training never needs it (sized exactly)."""
-    while True:
-        yield from data_loader

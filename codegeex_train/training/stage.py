@@ -19,7 +19,7 @@ from typing import Iterator
 
 import torch
 
-from .data import get_batch, position_ids
+from codegeex_train.training.data import get_batch, position_ids
 
 
 def masked_mean(loss_per_token: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:

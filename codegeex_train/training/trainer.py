@@ -3,36 +3,39 @@ clip, step, LR) -> metrics, eval and checkpoints. PP = 1 runs the same loop with
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, ContextManager, Iterator
 
 import torch
 import torch.distributed as dist
 
-from ..accounting import CommCounter, Workload, comm_bytes_per_step, memory_per_rank
-from ..accounting.memory import SavedActivations, measure_state_memory
-from ..accounting.theory import microbatches_in_flight
-from ..arguments import Args, BatchPlan
-from ..pipeline import (
+from codegeex_train.accounting import CommCounter, Workload, comm_bytes_per_step, memory_per_rank
+from codegeex_train.accounting.memory import SavedActivations, measure_state_memory
+from codegeex_train.accounting.theory import microbatches_in_flight
+from codegeex_train.checkpoint.files import checkpoint_tag
+from codegeex_train.checkpoint.train_state import TrainState
+from codegeex_train.checkpoint.training import save_checkpoint
+from codegeex_train.config.arguments import Args
+from codegeex_train.distributed.layout import Layout
+from codegeex_train.distributed.topology import Topology
+from codegeex_train.metrics import memory_gb, redact_secrets, throughput_record
+from codegeex_train.pipeline import (
     P2PCommunicator,
     allreduce_shared_embedding_grads,
-    communication_plan,
     forward_only,
     one_f_one_b,
     run_schedule,
+    with_p2p_ops,
 )
-from ..tensor_parallel import RNGStatesTracker
-from ..topology import Topology
-from .checkpointing import TrainState, checkpoint_tag, save_checkpoint
-from .exit_conditions import ExitConditions, NumericalHealth, NumericalHealthError
-from .fault_injection import TEST_INJECT_ENV, injection_from_spec
-from .metrics import memory_gb, redact_secrets, throughput_record
-from .stage import EngineStage
+from codegeex_train.tensor_parallel import RNGStatesTracker
+from codegeex_train.training.exit_conditions import ExitConditions, NumericalHealth, NumericalHealthError
+from codegeex_train.training.stage import EngineStage
 
 
 @dataclass
@@ -40,7 +43,7 @@ class Run:
     """Everything the loop touches, built once by pretrain.py."""
 
     args: Args
-    plan: BatchPlan
+    layout: Layout
     topology: Topology
     engine: object  # deepspeed.DeepSpeedEngine
     tracker: RNGStatesTracker
@@ -50,8 +53,12 @@ class Run:
     peak_flops_per_device: float | None = None  # for MFU; None on CPU
     p2p: P2PCommunicator | None = None  # None: built from the topology and the activation shape
     exit_conditions: ExitConditions | None = None  # SIGTERM / wall-clock stops; None: never
-    tokenizer: object = None  # for --eval-humaneval-interval
     workload: Workload | None = None  # shapes and layout, for the predicted bytes and memory (accounting.theory)
+    # --eval-humaneval-interval: iteration -> the record's metrics (or None: nothing to log on this rank), handed
+    # over by pretrain.py so that the loop imports no evaluation or generation.
+    evaluate_humaneval: Callable[[int], dict | None] | None = None
+    # Tests only (training/fault_injection.py): iteration -> a context the step runs in. None costs nothing.
+    step_context: Callable[[int], ContextManager] | None = None
 
     @functools.cached_property
     def comm_theory(self) -> dict | None:
@@ -60,7 +67,7 @@ class Run:
     def __post_init__(self) -> None:
         if self.p2p is None:
             t = self.args.train
-            shape = (self.plan.micro_batch_size, t.seq_length, self.args.model.hidden_size)  # (b, s, h)
+            shape = (self.layout.micro_batch_size, t.seq_length, self.args.model.hidden_size)  # (b, s, h)
             dtype = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
             self.p2p = P2PCommunicator.for_topology(self.topology, shape, dtype, self.device)
 
@@ -71,12 +78,12 @@ class Run:
 
     def stage(self, batches: Iterator[dict] | None, first_forward_context=None) -> EngineStage:
         return EngineStage(self.engine, batches, is_first=self.topology.is_first_stage,
-                           is_last=self.topology.is_last_stage, micro_batch_size=self.plan.micro_batch_size,
+                           is_last=self.topology.is_last_stage, micro_batch_size=self.layout.micro_batch_size,
                            seq_length=self.args.train.seq_length, device=self.device,
-                           num_microbatches=self.plan.num_microbatches, first_forward_context=first_forward_context)
+                           num_microbatches=self.layout.num_microbatches, first_forward_context=first_forward_context)
 
-    def plan_ops(self, steps):
-        return communication_plan(steps, self.topology.is_first_stage, self.topology.is_last_stage)
+    def ops(self, steps):
+        return with_p2p_ops(steps, self.topology.is_first_stage, self.topology.is_last_stage)
 
 
 def train_step(run: Run, batches: Iterator[dict] | None, memory: dict | None = None) -> torch.Tensor:
@@ -87,7 +94,7 @@ def train_step(run: Run, batches: Iterator[dict] | None, memory: dict | None = N
     topo = run.topology
     saved = SavedActivations(run.engine.module) if memory is not None else None
     stage = run.stage(batches, saved)
-    run_schedule(run.plan_ops(one_f_one_b(topo.pp_size, topo.pp_rank, run.plan.num_microbatches)), stage, run.p2p)
+    run_schedule(run.ops(one_f_one_b(topo.pp_size, topo.pp_rank, run.layout.num_microbatches)), stage, run.p2p)
     allreduce_shared_embedding_grads(run.engine.module, topo)
     if memory is not None:  # the boundary: full gradient partition, optimizer state (from the 2nd step on)
         in_flight = microbatches_in_flight(run.workload, topo.pp_rank) if run.workload else 1
@@ -110,35 +117,9 @@ def evaluate(run: Run, data_loader) -> float:
     evaluations are comparable."""
     run.engine.eval()
     stage = run.stage(iter(data_loader) if run.reads_data else None)
-    run_schedule(run.plan_ops(forward_only(run.args.train.eval_iters * run.plan.num_microbatches)), stage, run.p2p)
+    run_schedule(run.ops(forward_only(run.args.train.eval_iters * run.layout.num_microbatches)), stage, run.p2p)
     run.engine.train()
     return dp_mean(stage.mean_loss(), run.topology)
-
-
-def humaneval_pass_at_1(run: Run, state: TrainState) -> None:
-    """--eval-humaneval-interval: greedy pass@1 on the first --eval-humaneval-tasks HumanEval problems. Generation
-    is collective over TP only, so DP rank 0's TP group generates (the others go on and wait for it in the next
-    step's collectives); the logging rank runs the completions in the sandbox and logs the result."""
-    if run.topology.dp_rank != 0:
-        return
-    from ..evaluation import evaluate_humaneval
-    from ..generation import HUMANEVAL_STOP, Generator, SamplingParams
-
-    t = run.args.train
-    generator = Generator(run.engine.module, run.tokenizer, run.device)  # puts the module in eval mode
-    try:
-        metrics = evaluate_humaneval(generator, tasks=t.eval_humaneval_tasks, num_samples=1, ks=(1,),
-                                     params=SamplingParams(max_new_tokens=t.eval_humaneval_max_new_tokens,
-                                                           stop=HUMANEVAL_STOP),
-                                     execute=run.logger.enabled)
-    except ValueError as e:  # the same on every rank (e.g. prompts longer than the model's positions): go on
-        if run.topology.rank == 0:
-            print(f"warning: --eval-humaneval-interval skipped at iteration {state.iteration}: {e}", flush=True)
-        return
-    finally:
-        run.engine.train()
-    if metrics is not None:
-        run.logger.log({"iteration": state.iteration, "split": "humaneval", **metrics})
 
 
 def _log_eval(run: Run, state: TrainState, split: str, loss: float) -> None:
@@ -169,7 +150,7 @@ def memory_record(run: Run, iteration: int, measured: dict[str, int]) -> dict:
 
 def _train_record(run: Run, state: TrainState, loss: torch.Tensor, seconds_per_iteration: float,
                   skipped_iterations: int = 0, comm_bytes: dict | None = None, comm_iterations: int = 0) -> dict:
-    engine, plan = run.engine, run.plan
+    engine, layout = run.engine, run.layout
     grad_norm = engine.get_global_grad_norm()
     optimizer = engine.optimizer
     return {
@@ -180,8 +161,8 @@ def _train_record(run: Run, state: TrainState, loss: torch.Tensor, seconds_per_i
         "grad_norm": float(grad_norm) if grad_norm is not None else None,
         "loss_scale": float(getattr(optimizer, "cur_scale", getattr(optimizer, "loss_scale", 1.0))),
         "skipped_iterations": skipped_iterations,  # steps DeepSpeed skipped (fp16 overflow) in this log interval
-        **throughput_record(seconds_per_iteration, plan.global_batch_size * run.args.train.seq_length,
-                            run.flops_per_iteration, plan.dims.world_size, run.peak_flops_per_device),
+        **throughput_record(seconds_per_iteration, layout.global_batch_size * run.args.train.seq_length,
+                            run.flops_per_iteration, layout.dims.world_size, run.peak_flops_per_device),
         "memory_gb": memory_gb(run.device),
         **comm_record(comm_bytes or {}, comm_iterations, run.comm_theory),
     }
@@ -211,22 +192,19 @@ def _health_error(run: Run, iteration: int, problem: str) -> NumericalHealthErro
     return NumericalHealthError(message)
 
 
-def _checked_train_step(run: Run, batches, health: NumericalHealth, iteration: int, inject,
+def _checked_train_step(run: Run, batches, health: NumericalHealth, iteration: int,
                         memory: dict | None = None) -> torch.Tensor:
     """``train_step``, with DeepSpeed's own give-up (fp16 loss scale at its minimum, raised on every rank alike)
-    turned into the same clear error, and the test-only injection."""
-    hook = run.engine.module.register_forward_hook(inject[0]) if inject and inject[1](iteration) else None
+    turned into the same clear error."""
     try:
-        return train_step(run, batches, memory)
+        with run.step_context(iteration) if run.step_context else contextlib.nullcontext():
+            return train_step(run, batches, memory)
     except Exception as error:
         if "loss scale already at minimum" not in str(error):
             raise
         raise _health_error(run, iteration, f"{health.consecutive_skipped + 1} consecutive iterations were "
                             f"skipped by fp16 dynamic loss scaling and the loss scale is at its minimum "
                             f"(fp16.min_loss_scale): the gradients overflow at every loss scale") from None
-    finally:
-        if hook is not None:
-            hook.remove()
 
 
 def train(run: Run, state: TrainState, train_loader, valid_loader=None, test_loader=None) -> TrainState:
@@ -243,7 +221,6 @@ def _train(run: Run, state: TrainState, train_loader, valid_loader, test_loader,
     health = _numerical_health(run)
     exits = run.exit_conditions or ExitConditions(signal_handler=False, duration_mins=None, start_time=time.time(),
                                                   device=run.device)
-    inject = injection_from_spec(os.environ.get(TEST_INJECT_ENV))
     step_comm: dict[str, int] = {}
     # Measured once, at the run's second step: the first creates the optimizer's state.
     memory_iteration = min(start_iteration + 2, t.train_iters)
@@ -251,14 +228,14 @@ def _train(run: Run, state: TrainState, train_loader, valid_loader, test_loader,
         comm.take()  # drop what eval, logging and the exit checks moved: only training steps are accounted
         step_start = time.perf_counter()
         memory = {} if state.iteration + 1 == memory_iteration else None
-        loss = _checked_train_step(run, batches, health, state.iteration + 1, inject, memory)
+        loss = _checked_train_step(run, batches, health, state.iteration + 1, memory)
         if memory:
             run.logger.log(memory_record(run, state.iteration + 1, memory))
         for group, n in comm.take().items():
             step_comm[group] = step_comm.get(group, 0) + n
         loss_sum += loss
         state.iteration += 1
-        state.consumed_train_samples += run.plan.global_batch_size
+        state.consumed_train_samples += run.layout.global_batch_size
         interval_iters += 1
         run.logger.advance(state.iteration)
         health.observe(state.iteration, loss, run.engine.get_global_grad_norm(),
@@ -290,9 +267,11 @@ def _train(run: Run, state: TrainState, train_loader, valid_loader, test_loader,
         if (valid_loader is not None and t.eval_interval and state.iteration % t.eval_interval == 0
                 and stop_reason is None):  # preempted: the grace period is for the checkpoint
             _log_eval(run, state, "valid", evaluate(run, valid_loader))
-        if (t.eval_humaneval_interval and state.iteration % t.eval_humaneval_interval == 0
+        if (run.evaluate_humaneval and t.eval_humaneval_interval and state.iteration % t.eval_humaneval_interval == 0
                 and stop_reason is None):
-            humaneval_pass_at_1(run, state)
+            metrics = run.evaluate_humaneval(state.iteration)
+            if metrics is not None:
+                run.logger.log({"iteration": state.iteration, "split": "humaneval", **metrics})
         saving = t.save and (last or (t.save_interval and state.iteration % t.save_interval == 0))
         if saving:
             state.wandb_run_id = run.logger.wandb_run_id

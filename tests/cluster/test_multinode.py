@@ -13,9 +13,9 @@ import pytest
 from launch_helpers import ROOT, finish, script_env, start_script, train_losses
 
 from codegeex_train import pretrain
-from codegeex_train.cluster import RankPlace, cluster_report
+from codegeex_train.distributed.cluster import RankPlace, cluster_report
+from codegeex_train.distributed.topology import ParallelDims
 from codegeex_train.testing import free_port, read_metrics, run_distributed
-from codegeex_train.topology import ParallelDims
 
 ITERS = 6
 

@@ -18,18 +18,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from codegeex_train.arguments import parse_args
+from codegeex_train.config.arguments import parse_args
+from codegeex_train.config.model import ModelConfig
 from codegeex_train.data.default_corpus import default_corpus_files
 from codegeex_train.data.tokenizer import (
     DEFAULT_TOKENIZER_PATH,
     TokenizerError,
     build_tokenizer,
     codegeex_extra_tokens,
+    load_tokenizer,
 )
 from codegeex_train.data.whitespace import split_whitespace_runs, whitespace_token
-from codegeex_train.model.config import ModelConfig
 from codegeex_train.testing import codegeex_reference
-from codegeex_train.training.data import load_tokenizer
 
 THEIR_TOKENIZER = "codegeex.tokenizer.tokenizer"  # the original package's tokenizer: the reference
 

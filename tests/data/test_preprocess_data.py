@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from codegeex_train.data.indexed_dataset import MMapIndexedDataset
 from codegeex_train.data.default_corpus import default_corpus_files
+from codegeex_train.data.indexed_dataset import MMapIndexedDataset
 from codegeex_train.data.preprocess import (
     TokenizerSpec,
     output_prefix_for,

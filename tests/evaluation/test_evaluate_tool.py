@@ -4,15 +4,14 @@ line."""
 
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from codegeex_train.evaluation import read_problems, write_jsonl
-from codegeex_train.testing import read_metrics
-from codegeex_train.training.metrics import read_offline_wandb_history
+from codegeex_train.metrics import read_offline_wandb_history
+from codegeex_train.testing import read_metrics, run_process_group
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = [sys.executable, str(ROOT / "tools" / "evaluate_humaneval.py")]
@@ -20,7 +19,7 @@ ERROR_LINE = re.compile(r"^evaluate_humaneval\.py: error: \S")
 
 
 def run_tool(*args, timeout=300):
-    return subprocess.run(TOOL + [str(a) for a in args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return run_process_group(TOOL + [str(a) for a in args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +100,9 @@ def test_bad_input_ends_with_one_error_line(samples_file, tmp_path, args, fragme
 def tiny_checkpoint(tmp_path_factory):
     """A random 2-layer model saved at iteration 42, and two short problems it can be prompted with."""
     import codegeex_train.generation  # noqa: F401  (fails, not skips, when generation is missing)
+    from codegeex_train.checkpoint import save_model_checkpoint, split_state_dict
     from codegeex_train.data.tokenizer import default_tokenizer
-    from codegeex_train.model import CodeGeeXModel, ModelConfig, save_model_checkpoint, split_state_dict
+    from codegeex_train.model import CodeGeeXModel, ModelConfig
 
     root = tmp_path_factory.mktemp("ckpt")
     config = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=default_tokenizer().vocab_size,

@@ -1,15 +1,24 @@
-"""The HumanEval harness scores canonical solutions 1 and wrong ones 0; a sample that loops, allocates without
-bound, forks, deletes files outside its scratch directory, opens a socket or exits early is stopped and
-counted as failed while the harness goes on; and the kernel-level guards hold without the Python ones."""
+"""The HumanEval harness scores canonical solutions 1 and wrong ones 0; a sample that loops, allocates past its
+memory limit, forks, deletes files outside its scratch directory, opens a socket or exits early is stopped and
+counted as failed while the harness goes on, and nothing it started outlives it; each resource limit (address
+space, file size, open files, CPU seconds) stops a sample with its own failure; and the kernel-level guards hold
+without the Python ones."""
 
 import os
+import select
 import socket
 import time
 
 import pytest
 
-from codegeex_train.evaluation import (Sandbox, SandboxConfig, estimate_pass_at_k, evaluate_samples, read_problems,
-                                       select_tasks)
+from codegeex_train.evaluation import (
+    Sandbox,
+    SandboxConfig,
+    estimate_pass_at_k,
+    evaluate_samples,
+    read_problems,
+    select_tasks,
+)
 from codegeex_train.evaluation.sandbox import _lock_uid, _proc_tasks
 
 ROOT = os.geteuid() == 0
@@ -67,8 +76,45 @@ def _accepted_any(server) -> bool:
         return False
 
 
-def _live_sample_processes(sandbox) -> list[int]:
-    return [pid for uid in sandbox.sample_uids for pid in _proc_tasks(uid)[0]]
+def _sample_processes(scratch_root) -> list[int]:
+    """Live (not zombie) processes that a sandbox with scratch directories under ``scratch_root`` started: the
+    sample and whatever it started inherit HOME=<its scratch directory> in their environment, whatever their uid,
+    process group or session (readable for every process as root, for this user's as anyone else)."""
+    marker = f"HOME={os.path.join(str(scratch_root), 'sandbox-')}".encode()
+    pids = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state != b"Z" and any(var.startswith(marker) for var in environ):
+            pids.append(int(entry.name))
+    return pids
+
+
+def _live_sample_processes(sandbox, scratch_root, grace: float = 5.0) -> list[int]:
+    """The processes of the sandbox's samples (by scratch directory, and by sample uid as root) still alive after
+    waiting up to ``grace`` seconds for each to exit (a SIGKILLed process takes a moment to go)."""
+    def live():
+        return sorted(set(_sample_processes(scratch_root)) | {
+            pid for uid in sandbox.sample_uids for pid in _proc_tasks(uid)[0]})
+
+    deadline = time.monotonic() + grace
+    for pid in live():
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:  # gone already
+            continue
+        try:
+            select.select([pidfd], [], [], max(0.0, deadline - time.monotonic()))  # readable once it has exited
+        finally:
+            os.close(pidfd)
+    return live()
 
 
 def _misbehaving(problems, task, sentinel, port):
@@ -78,7 +124,8 @@ def _misbehaving(problems, task, sentinel, port):
     return [
         ("good", body),
         ("loops forever", "    while True:\n        pass\n"),
-        ("allocates without bound", "    chunks = []\n    while True:\n        chunks.append(bytearray(8 << 20))\n"),
+        # 1 GiB (past the 256 MiB RLIMIT_AS) and then return normally: bounded, so a failed guard costs 1 GiB.
+        ("allocates past the limit", body + "\nchunks = [bytearray(8 << 20) for _ in range(128)]\n"),
         # Bounded: 200 children that sleep, so a failed guard costs 200 processes, never the machine.
         ("forks", body + "\nimport os, time\nfor _ in range(200):\n    if os.fork() == 0:\n        time.sleep(60)\n"
                          "        os._exit(0)\n"),
@@ -108,7 +155,7 @@ def test_misbehaving_samples_are_stopped_and_the_harness_goes_on(problems, tmp_p
     print(outcome, f"{elapsed:.1f} s")
     assert outcome.pop("good") == "passed" and outcome.pop("good again") == "passed", outcome
     assert outcome["loops forever"] == "timed out"
-    assert outcome["allocates without bound"] in ("failed: MemoryError", "timed out")
+    assert outcome["allocates past the limit"] == "failed: MemoryError"  # RLIMIT_AS, not the wall clock
     assert outcome["exits before the tests"] == "failed: SystemExit: 0"
     for name in ("forks", "deletes a file outside scratch", "removes a tree outside scratch", "opens a socket"):
         assert outcome[name].startswith("failed: "), (name, outcome[name])
@@ -116,14 +163,17 @@ def test_misbehaving_samples_are_stopped_and_the_harness_goes_on(problems, tmp_p
     assert not _accepted_any(server)
     assert evaluation.pass_at_k[1] == pytest.approx(estimate_pass_at_k(len(cases), 2, 1))
     assert list(scratch_root.iterdir()) == []  # every scratch directory deleted
-    assert _live_sample_processes(sandbox) == []
+    assert _live_sample_processes(sandbox, scratch_root) == []
     assert elapsed < 30
 
 
 def test_kernel_guards_hold_without_the_python_ones(problems, tmp_path):
     """With the Python-level guards off, what the kernel enforces alone: the process limit, the network
-    namespace and (as root) the sample's own unprivileged uid."""
-    sandbox = Sandbox(SandboxConfig(timeout=3.0, memory_mb=256, python_guards=False), workers=2)
+    namespace and (as root) the sample's own unprivileged uid; no process a sample started outlives it."""
+    scratch_root = tmp_path / "scratch"
+    scratch_root.mkdir()
+    sandbox = Sandbox(SandboxConfig(timeout=3.0, memory_mb=256, python_guards=False, scratch_root=str(scratch_root)),
+                      workers=2)
     print(sandbox.guards)
     task = "HumanEval/0"
     body = _canonical_body(problems, task)
@@ -159,12 +209,41 @@ def test_kernel_guards_hold_without_the_python_ones(problems, tmp_path):
         assert "Permission denied" in outcome.pop("deletes a file outside scratch")
         assert "Operation not permitted" in outcome.pop("kills the harness")
         assert outcome.pop("escapes and lingers") == "passed"  # a correct program; what it left is killed
-        assert _live_sample_processes(sandbox) == []
+    assert _live_sample_processes(sandbox, scratch_root) == []  # e.g. the children "forks" made before the limit
     if "opens a socket" in outcome:
         assert "Network is unreachable" in outcome.pop("opens a socket")
     assert not outcome
     assert sentinel.read_text() == "keep me"
     assert not _accepted_any(server)
+
+
+# (the limit, the config that sets it, a program that runs to its end without the limit, the failure expected)
+RLIMIT_CASES = [
+    ("RLIMIT_AS", {"memory_mb": 256}, "chunks = [bytearray(8 << 20) for _ in range(128)]\n", "failed: MemoryError"),
+    ("RLIMIT_FSIZE", {"max_file_mb": 1}, "with open('big.bin', 'wb') as f:\n    f.write(b'x' * (2 << 20))\n",
+     "failed: OSError: [Errno 27] File too large"),
+    ("RLIMIT_NOFILE", {"max_open_files": 32}, "import os\nfds = [os.open(os.devnull, os.O_RDONLY) for _ in range(64)]\n",
+     "failed: OSError: [Errno 24] Too many open files"),
+    ("RLIMIT_CPU", {}, "import time\nwhile time.process_time() < 4:\n    pass\n",
+     "failed: killed by SIGXCPU (CPU time limit)"),
+]
+
+
+@pytest.mark.parametrize("config, program, expected", [case[1:] for case in RLIMIT_CASES],
+                         ids=[case[0] for case in RLIMIT_CASES])
+def test_each_resource_limit_stops_a_sample(tmp_path, config, program, expected):
+    """A program that passes unless its limit stops it fails with that limit's own error, well before the wall
+    clock (10 s). RLIMIT_CPU is timeout + 1 s, which one thread never reaches before the wall clock kills it:
+    here it is cut to 1 s to see the kernel enforce it."""
+    scratch_root = tmp_path / "scratch"
+    scratch_root.mkdir()
+    sandbox = Sandbox(SandboxConfig(timeout=10.0, scratch_root=str(scratch_root), **config), workers=1)
+    assert "RLIMIT_CPU 11 s" in sandbox.guards["time"]
+    sandbox._cpu_seconds = lambda: 1
+    result = sandbox.run(program)
+    assert result.result.startswith(expected), result
+    assert result.seconds < 8, result
+    assert list(scratch_root.iterdir()) == []
 
 
 def test_guards_are_reported(scoring_sandbox):

@@ -6,8 +6,16 @@ from dataclasses import dataclass
 
 import pytest
 
-from codegeex_train.evaluation import (HUMANEVAL_STOP, Sandbox, SandboxConfig, evaluate_humaneval, generate_samples,
-                                       log_humaneval_metrics, read_problems, select_tasks)
+from codegeex_train.evaluation import (
+    HUMANEVAL_STOP,
+    Sandbox,
+    SandboxConfig,
+    evaluate_humaneval,
+    generate_samples,
+    log_humaneval_metrics,
+    read_problems,
+    select_tasks,
+)
 from codegeex_train.testing import read_metrics
 
 

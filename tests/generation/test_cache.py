@@ -53,21 +53,52 @@ def test_cache_refuses_overflow_and_misuse():
         model(ids, pos, labels=ids, kv_cache=model.new_kv_cache(1, 3))
 
 
+def _dense_logits():
+    """tests/model's dense reference forward (plain float64 torch, written independently of the model)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "model" / "model_helpers.py"
+    spec = importlib.util.spec_from_file_location("model_helpers_for_cache_tests", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.dense_logits
+
+
+@torch.no_grad()
 def test_last_token_only_and_training_path_unchanged():
-    """last_token_only returns the last position's logits; the default forward is untouched by the cache."""
-    model = CodeGeeXModel(tiny_config(), None, None, seed=11).eval()
-    ids, pos = torch.tensor([[1, 2, 3, 4]]), torch.arange(4)[None]
+    """last_token_only returns the last position's logits; the training path (no cache) gives the dense
+    reference's logits (float64 model, <= 1e-9) and loss (computed in fp32, <= 1e-6), the same bit for bit after
+    the model has decoded with a cache, and a prefill through a fresh cache gives the same logits."""
+    config = tiny_config()
+    model = CodeGeeXModel(config, None, None, seed=11, dtype=torch.float64).eval()
+    g = torch.Generator().manual_seed(0)
+    ids, labels = torch.randint(0, 100, (2, 12), generator=g), torch.randint(0, 100, (2, 12), generator=g)
+    pos = torch.arange(12).expand(2, 12)
+    expected = _dense_logits()(dict(model.named_parameters()), config, ids, pos)  # (2, 12, 128)
+    expected_loss = torch.nn.functional.cross_entropy(expected.flatten(0, 1), labels.flatten(), reduction="none")
+
     full = model(ids, pos)
-    assert model(ids, pos, last_token_only=True).shape == (1, 1, 128)
-    assert max_err(model(ids, pos, last_token_only=True), full[:, -1:]) <= 1e-6
-    loss = model(ids, pos, labels=ids)
-    assert loss.shape == (1, 4)
+    loss = model(ids, pos, labels=labels)
+    assert full.shape == expected.shape and full.abs().max() > 1.0
+    assert max_err(full, expected) <= 1e-9
+    assert loss.shape == (2, 12) and max_err(loss, expected_loss.view(2, 12)) <= 1e-6
+    assert model(ids, pos, last_token_only=True).shape == (2, 1, 128)
+    assert max_err(model(ids, pos, last_token_only=True), full[:, -1:]) <= 1e-12
+
+    cache = model.new_kv_cache(batch_size=2, capacity=32)  # decode: a 3-token prefill, then one token
+    model(ids[:, :3], pos[:, :3], kv_cache=cache)
+    model(ids[:, 3:4], pos[:, 3:4], kv_cache=cache)
+    assert torch.equal(model(ids, pos), full)  # the cache left the training path untouched
+    assert torch.equal(model(ids, pos, labels=labels), loss)
+    prefill = model(ids, pos, kv_cache=model.new_kv_cache(batch_size=2, capacity=12))
+    assert max_err(prefill, expected) <= 1e-9
 
 
 def test_pipeline_stages_are_refused(tmp_path):
+    from codegeex_train.checkpoint import CheckpointError, save_model_checkpoint
+    from codegeex_train.checkpoint.sharding import split_model_parallel
     from codegeex_train.generation import Generator
-    from codegeex_train.model import CheckpointError, save_model_checkpoint
-    from codegeex_train.model.sharding import split_model_parallel
 
     config = tiny_config()
     stage = CodeGeeXModel(config, None, None, post_process=False, layer_numbers=range(1))

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from codegeex_train.checkpoint import save_model_checkpoint, split_state_dict
 from codegeex_train.data.tokenizer import default_tokenizer
-from codegeex_train.model import CodeGeeXModel, ModelConfig, save_model_checkpoint, split_state_dict
-from codegeex_train.testing import free_port
+from codegeex_train.model import CodeGeeXModel, ModelConfig
+from codegeex_train.testing import free_port, run_process_group
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = str(ROOT / "tools" / "generate.py")
@@ -27,7 +28,7 @@ SAMPLE = ["--max-new-tokens", "12", "--temperature", "0.8", "--top-k", "50", "--
 
 def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT, env=env, **kw)
+    return run_process_group(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT, env=env, **kw)
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
-"""Sampling: top-k / top-p masks on hand-made distributions, the sampler's statistics, seeded reproducibility
-(TP 1 and on every rank of TP 2), padded vocabulary ids never chosen, parameter checks."""
+"""Sampling: top-k / top-p masks on hand-made distributions, the kept set of temperature + top-k + top-p against an
+independent reference (where each filter alone keeps a different set), the sampler's statistics, seeded
+reproducibility (TP 1 and on every rank of TP 2), padded vocabulary ids never chosen, parameter checks."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from gen_helpers import SAMPLING, tiny_config
 
 from codegeex_train.generation import Generator, SamplingParams, sample_next_tokens, top_k_mask, top_p_mask
+from codegeex_train.generation.sampling import filtered_scores
 from codegeex_train.model import CodeGeeXModel
 
 PROBS = torch.tensor([[0.05, 0.5, 0.15, 0.3]])  # sorted: 1 (0.5), 3 (0.3), 2 (0.15), 0 (0.05)
@@ -48,18 +50,76 @@ def test_top_p_per_row():
     assert (~mask).tolist() == [[False, True, False, True], [True, False, False, False]]
 
 
+# Eight tokens without ties, sorted: 1 (0.34), 5 (0.25), 3 (0.16), 4 (0.08), 7 (0.06), 0 (0.05), 2 (0.04), 6 (0.02).
+# On it top-k 3 alone and top-p 0.7 alone both keep {1, 5, 3}, but together (top-p over the renormalised top 3)
+# only {1, 5}; and temperature changes which tokens top-p keeps: a filter dropped, or temperature applied after
+# the filters, changes the kept set.
+WIDE = [0.05, 0.34, 0.04, 0.16, 0.08, 0.25, 0.02, 0.06]
+
+
+def reference_distribution(probs: list[float], temperature: float, top_k: int, top_p: float) -> dict[int, float]:
+    """Hugging Face's order in plain Python: p ** (1 / T) renormalised, keep the k most likely, renormalise, keep
+    the smallest most-likely prefix whose probability reaches top_p, renormalise. {token: probability}."""
+    weights = {i: p ** (1.0 / temperature) for i, p in enumerate(probs)}
+    ranked = sorted(weights, key=weights.get, reverse=True)
+    if top_k > 0:
+        ranked = ranked[:top_k]
+    total = sum(weights[i] for i in ranked)
+    nucleus, mass = [], 0.0
+    for i in ranked:
+        if nucleus and mass >= top_p:
+            break
+        nucleus.append(i)
+        mass += weights[i] / total
+    total = sum(weights[i] for i in nucleus)
+    return {i: weights[i] / total for i in nucleus}
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p, expected", [
+    (1.0, 3, 1.0, [1, 3, 5]),        # top-k alone
+    (1.0, 0, 0.7, [1, 3, 5]),        # top-p alone: 0.59 < 0.7
+    (1.0, 3, 0.7, [1, 5]),           # both: within the top 3, 1 and 5 already hold 0.59 / 0.75 = 0.79 >= 0.7
+    (2.0, 0, 0.7, [1, 3, 4, 5, 7]),  # flatter: top-p needs more tokens than at T = 1
+    (0.5, 0, 0.7, [1, 5]),           # sharper: fewer
+    (2.0, 6, 0.7, [1, 3, 4, 5]),     # all three differ from any two of them
+])
+def test_kept_set_matches_reference(temperature, top_k, top_p, expected):
+    """Temperature first, then top-k, then top-p: the finite scores are exactly the reference's tokens."""
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    scores = filtered_scores(torch.tensor([WIDE]).log(), params)[0]
+    assert scores.isfinite().nonzero().flatten().tolist() == expected
+    assert sorted(reference_distribution(WIDE, temperature, top_k, top_p)) == expected
+
+
+def frequencies(draws: torch.Tensor, vocab: int) -> torch.Tensor:
+    return torch.bincount(draws, minlength=vocab).double() / len(draws)
+
+
 def test_sampler_statistics():
-    """top_k=3 then top_p=0.9 on PROBS leaves {1, 3, 2} renormalised; temperature sharpens as exp(logit / T)."""
-    logits = LOGITS.expand(20000, 4)
+    """top_k=3 then top_p=0.7 on WIDE leaves {1, 5} renormalised (each filter alone would keep token 3 too);
+    temperature sharpens as exp(logit / T)."""
+    logits = torch.tensor([WIDE]).log().expand(20000, 8)
     g = torch.Generator().manual_seed(0)
-    draws = sample_next_tokens(logits, SamplingParams(temperature=1.0, top_k=3, top_p=0.9), g)
-    freq = torch.bincount(draws, minlength=4).double() / len(draws)
-    expected = torch.tensor([0.0, 0.5, 0.15, 0.3], dtype=torch.double) / 0.95
-    assert freq[0] == 0 and (freq - expected).abs().max() < 0.015
-    draws = sample_next_tokens(logits, SamplingParams(temperature=0.5), g)
-    freq = torch.bincount(draws, minlength=4).double() / len(draws)
+    freq = frequencies(sample_next_tokens(logits, SamplingParams(temperature=1.0, top_k=3, top_p=0.7), g), 8)
+    expected = torch.tensor([0.0, 0.34, 0.0, 0.0, 0.0, 0.25, 0.0, 0.0], dtype=torch.double) / 0.59
+    assert freq[expected == 0].sum() == 0 and (freq - expected).abs().max() < 0.015
+    draws = sample_next_tokens(LOGITS.expand(20000, 4), SamplingParams(temperature=0.5), g)
+    freq = frequencies(draws, 4)
     sharp = PROBS[0].double() ** 2 / (PROBS[0].double() ** 2).sum()
     assert (freq - sharp).abs().max() < 0.015
+
+
+def test_top_p_with_temperature_statistics():
+    """Temperature 2, top_k=6, top_p=0.7 on WIDE: the draws follow the reference distribution (tokens 1, 5, 3, 4
+    with probability proportional to sqrt(p)); no other token is ever drawn."""
+    logits = torch.tensor([WIDE]).log().expand(40000, 8)
+    g = torch.Generator().manual_seed(1)
+    freq = frequencies(sample_next_tokens(logits, SamplingParams(temperature=2.0, top_k=6, top_p=0.7), g), 8)
+    reference = reference_distribution(WIDE, 2.0, 6, 0.7)
+    expected = torch.tensor([reference.get(i, 0.0) for i in range(8)], dtype=torch.double)
+    assert sorted(reference) == [1, 3, 4, 5]
+    assert freq[expected == 0].sum() == 0, f"drawn outside the kept set: {freq.tolist()}"
+    assert (freq - expected).abs().max() < 0.012, f"{freq.tolist()} vs {expected.tolist()}"
 
 
 def test_greedy_is_argmax_and_ignores_filters():

@@ -9,8 +9,13 @@ from gen_helpers import tiny_config
 
 from codegeex_train.data.tokenizer import default_tokenizer
 from codegeex_train.data.whitespace import whitespace_token
-from codegeex_train.generation import HUMANEVAL_STOP, Generator, SamplingParams, decode_whitespace_tokens
-from codegeex_train.generation import truncate_at_stop
+from codegeex_train.generation import (
+    HUMANEVAL_STOP,
+    Generator,
+    SamplingParams,
+    decode_whitespace_tokens,
+    truncate_at_stop,
+)
 from codegeex_train.model import CodeGeeXModel
 
 

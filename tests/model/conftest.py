@@ -6,7 +6,7 @@ import pytest
 import torch
 from model_helpers import S, hf_batch
 
-from codegeex_train.model import config_from_hf_gpt2
+from codegeex_train.checkpoint import config_from_hf_gpt2
 from codegeex_train.testing import load_tool
 
 

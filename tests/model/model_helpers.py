@@ -7,7 +7,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from codegeex_train.model import ModelConfig, merge_state_dicts
+from codegeex_train.checkpoint import merge_state_dicts
+from codegeex_train.model import ModelConfig
 
 B, S = 2, 16
 

@@ -19,9 +19,8 @@ import torch
 import torch.nn.functional as F
 from model_helpers import max_err
 
-from codegeex_train.model import CodeGeeXModel, load_full_state_dict, load_model_checkpoint
-from codegeex_train.model.checkpoint import read_checkpoint_meta
-from codegeex_train.model.codegeex_weights import (
+from codegeex_train.checkpoint import load_full_state_dict, load_model_checkpoint
+from codegeex_train.checkpoint.codegeex_weights import (
     codegeex_checkpoint,
     codegeex_names,
     codegeex_state_dict,
@@ -29,7 +28,9 @@ from codegeex_train.model.codegeex_weights import (
     config_from_codegeex,
     full_to_codegeex,
 )
-from codegeex_train.model.config import ModelConfig
+from codegeex_train.checkpoint.files import read_checkpoint_meta
+from codegeex_train.config.model import ModelConfig
+from codegeex_train.model import CodeGeeXModel
 from codegeex_train.testing import codegeex_reference, run_distributed
 
 THEIR_MODEL = "codegeex.torch.codegeex_model"  # the original package's model: the reference
@@ -234,7 +235,9 @@ def _tool_error(convert, capsys, argv: list[str]) -> str:
 
 def test_bad_input_is_one_error_line(released, convert, capsys, tmp_path):
     path = str(released["path"])
-    assert "needs --num-attention-heads" in _tool_error(convert, capsys, ["--from-codegeex", path, "--save", "x"])
+    assert "needs --num-attention-heads" in _tool_error(convert, capsys, ["--from-codegeex", path, "--save",
+                                                                          str(tmp_path / "x")])
+    assert not (tmp_path / "x").exists()
     assert "--hidden-size 32 is not divisible by --num-attention-heads 5" in _tool_error(
         convert, capsys, ["--from-codegeex", path, "--num-attention-heads", "5", "--save", str(tmp_path / "o")])
     assert "--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 8" in _tool_error(
@@ -270,4 +273,6 @@ def test_to_codegeex_refuses_a_model_that_is_not_codegeex(convert, capsys, tmp_p
     assert "not a CodeGeeX model" in message and "--activation gelu_tanh" in message
     assert not (tmp_path / "x.pt").exists()
     assert "--to-codegeex writes one unsplit CodeGeeX file" in _tool_error(
-        convert, capsys, ["--load", "x", "--to-codegeex", "y", "--tensor-model-parallel-size", "2"])
+        convert, capsys, ["--load", str(tmp_path / "x"), "--to-codegeex", str(tmp_path / "y"),
+                          "--tensor-model-parallel-size", "2"])
+    assert not (tmp_path / "y").exists()

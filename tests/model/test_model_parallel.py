@@ -13,14 +13,8 @@ import torch.nn.functional as F
 from model_helpers import dense_logits, gather_full, hf_batch, make_batch, max_err, tiny_config
 
 from codegeex_train.accounting import CommCounter
-from codegeex_train.model import (
-    CodeGeeXModel,
-    ModelConfigError,
-    count_parameters,
-    load_model_checkpoint,
-    partition_spec,
-    split_state_dict,
-)
+from codegeex_train.checkpoint import load_model_checkpoint, partition_spec, split_state_dict
+from codegeex_train.model import CodeGeeXModel, ModelConfigError, count_parameters
 from codegeex_train.model.init import ParamInit
 from codegeex_train.model.transformer import ParallelTransformerLayer
 from codegeex_train.tensor_parallel import model_parallel_seed

@@ -7,25 +7,27 @@ import pytest
 import torch
 from model_helpers import B, S, dense_logits, hf_batch, make_batch, max_err, tiny_config
 
-from codegeex_train.model import (
+from codegeex_train.checkpoint import (
     CheckpointError,
-    CodeGeeXModel,
-    ModelConfigError,
-    count_parameters,
     full_to_hf_gpt2,
     hf_gpt2_to_full,
     load_full_state_dict,
     load_model_checkpoint,
     load_model_shard,
     merge_state_dicts,
-    model_flops_per_iteration,
-    model_summary,
     partition_spec,
     read_latest,
     save_model_checkpoint,
     split_state_dict,
 )
-from codegeex_train.model import checkpoint as checkpoint_module
+from codegeex_train.checkpoint import files as checkpoint_module
+from codegeex_train.model import (
+    CodeGeeXModel,
+    ModelConfigError,
+    count_parameters,
+    model_flops_per_iteration,
+    model_summary,
+)
 
 
 @pytest.mark.parametrize("top_query", [True, False])

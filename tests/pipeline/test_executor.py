@@ -6,7 +6,7 @@ import weakref
 import pytest
 import torch
 
-from codegeex_train.pipeline import P2PCommunicator, ScheduleStats, communication_plan, one_f_one_b, run_schedule
+from codegeex_train.pipeline import P2PCommunicator, ScheduleStats, one_f_one_b, run_schedule, with_p2p_ops
 from codegeex_train.testing import run_distributed
 
 SHAPE = (2, 3, 8)  # (micro-batch, sequence, hidden)
@@ -82,7 +82,7 @@ def run_chain(topology, m):
     log = []
     comm = P2PCommunicator.for_topology(topology, SHAPE, torch.float32, torch.device("cpu"), log=log)
     stage = ChainStage(s, p, m)
-    run_schedule(communication_plan(one_f_one_b(p, s, m), s == 0, s == p - 1), stage, comm, ScheduleStats(log=log))
+    run_schedule(with_p2p_ops(one_f_one_b(p, s, m), s == 0, s == p - 1), stage, comm, ScheduleStats(log=log))
     # Dense reference in this process: the whole chain, every micro-batch.
     weights = [stage_weight(i).requires_grad_() for i in range(p)]
     for i in range(m):
@@ -90,7 +90,7 @@ def run_chain(topology, m):
         for w in weights:
             y = torch.tanh(y @ w)
         ((y * y).mean() / m).backward()
-    return {"log": log, "peak": stage.peak, "grad": stage.weight.grad, "ref_grad": weights[s].grad,
+    return {"log": log, "peak": stage.peak, "grad": stage.weight.grad.numpy(), "ref_grad": weights[s].grad.numpy(),
             "p2p_bytes": comm.bytes_sent}
 
 

@@ -5,11 +5,11 @@ import pytest
 from codegeex_train.pipeline import (
     PipelineSplitError,
     Step,
-    communication_plan,
     forward_only,
     no_pipelining,
     one_f_one_b,
     stage_layer_ranges,
+    with_p2p_ops,
 )
 
 
@@ -43,9 +43,9 @@ def test_no_pipelining_and_forward_only():
     assert forward_only(2) == [Step("F", 0), Step("F", 1)]
 
 
-def test_communication_plan_pairs_sends_with_receives():
+def test_with_p2p_ops_pairs_sends_with_receives():
     # Stage 1 of 4, 4 micro-batches: Megatron's 1F1B with combined steady-state transfers.
-    ops = [(o.kind, o.mb, o.recv_mb) for o in communication_plan(one_f_one_b(4, 1, 4), False, False)]
+    ops = [(o.kind, o.mb, o.recv_mb) for o in with_p2p_ops(one_f_one_b(4, 1, 4), False, False)]
     assert ops == [
         ("recv_forward", 0, None), ("forward", 0, None), ("send_forward", 0, None),
         ("recv_forward", 1, None), ("forward", 1, None), ("send_forward", 1, None),
@@ -57,11 +57,11 @@ def test_communication_plan_pairs_sends_with_receives():
         ("recv_backward", 3, None), ("backward", 3, None), ("send_backward", 3, None),
     ]
     # The ends do not talk past the pipeline; PP = 1 does not talk at all.
-    first = communication_plan(one_f_one_b(4, 0, 4), True, False)
-    last = communication_plan(one_f_one_b(4, 3, 4), False, True)
+    first = with_p2p_ops(one_f_one_b(4, 0, 4), True, False)
+    last = with_p2p_ops(one_f_one_b(4, 3, 4), False, True)
     assert not any("recv_forward" in o.kind or "send_backward" in o.kind for o in first)
     assert not any("send_forward" in o.kind or "recv_backward" in o.kind for o in last)
-    assert {o.kind for o in communication_plan(no_pipelining(4), True, True)} == {"forward", "backward"}
+    assert {o.kind for o in with_p2p_ops(no_pipelining(4), True, True)} == {"forward", "backward"}
 
 
 def _transfers(ops, kind):
@@ -78,10 +78,10 @@ def _transfers(ops, kind):
 
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 3)])
 def test_neighbours_agree_on_every_transfer(p, m):
-    plans = [communication_plan(one_f_one_b(p, s, m), s == 0, s == p - 1) for s in range(p)]
+    ops = [with_p2p_ops(one_f_one_b(p, s, m), s == 0, s == p - 1) for s in range(p)]
     for s in range(p - 1):
-        assert _transfers(plans[s], "send_forward") == _transfers(plans[s + 1], "recv_forward") == list(range(m))
-        assert _transfers(plans[s + 1], "send_backward") == _transfers(plans[s], "recv_backward") == list(range(m))
+        assert _transfers(ops[s], "send_forward") == _transfers(ops[s + 1], "recv_forward") == list(range(m))
+        assert _transfers(ops[s + 1], "send_backward") == _transfers(ops[s], "recv_backward") == list(range(m))
 
 
 def test_layer_split():

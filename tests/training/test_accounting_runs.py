@@ -8,10 +8,10 @@ import os
 
 import pytest
 
-from codegeex_train import plan as planner
 from codegeex_train import pretrain
+from codegeex_train.accounting import planner
+from codegeex_train.config.model import ModelConfig
 from codegeex_train.data.tokenizer import default_tokenizer
-from codegeex_train.model.config import ModelConfig
 from codegeex_train.testing import run_distributed
 
 LAYOUTS = [(2, 2, 1), (1, 2, 2)]  # (TP, PP, DP)
@@ -84,9 +84,9 @@ def test_planner_predicts_the_measured_run(runs, layout):
     dropout = float(DROPOUT[layout])
     model = ModelConfig(num_layers=LAYERS, hidden_size=H, num_attention_heads=4, max_position_embeddings=64,
                         vocab_size=default_tokenizer().vocab_size, attention_dropout=dropout, hidden_dropout=dropout)  # what pretraining uses without --tokenizer-type
-    row = planner.evaluate(model, planner.Cluster(world_size=tp * pp * dp, gpus_per_node=4), seq_length=SEQ,
-                           global_batch_size=GLOBAL, tp=tp, pp=pp, micro_batch_size=MICRO,
-                           checkpoint_activations=False, dtype_bytes=4, stage_layers=(1, 1), device="cpu")
+    row = planner.estimate_layout(model, planner.Cluster(world_size=tp * pp * dp, gpus_per_node=4), seq_length=SEQ,
+                                  global_batch_size=GLOBAL, tp=tp, pp=pp, micro_batch_size=MICRO,
+                                  checkpoint_activations=False, dtype_bytes=4, stage_layers=(1, 1), device="cpu")
     measured = split(rows, "train")[-1]  # the last stage: the largest traffic of the two stages here
     for group in ("tp", "pp", "dp", "embedding"):
         assert row.comm_bytes[group] == pytest.approx(measured[f"comm_{group}_bytes"], rel=0.10, abs=64), group

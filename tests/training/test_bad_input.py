@@ -7,12 +7,22 @@ import pytest
 import torch.distributed as dist
 
 from codegeex_train import pretrain
-from codegeex_train.model.checkpoint import save_model_checkpoint
-from codegeex_train.model.config import ModelConfig
-from codegeex_train.model.sharding import split_state_dict
+from codegeex_train.checkpoint.files import save_model_checkpoint
+from codegeex_train.checkpoint.sharding import split_state_dict
+from codegeex_train.config.model import ModelConfig
 from codegeex_train.testing import tiny_model_args, write_indexed_dataset
 
 MODEL = tiny_model_args()
+
+
+@pytest.fixture(autouse=True)
+def in_an_empty_directory(tmp_path, monkeypatch):
+    """Each refusal runs in an empty working directory (not the checkout) and must leave it empty."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    yield
+    assert list(cwd.iterdir()) == []
 
 
 def fails_with(capsys, argv, *fragments):

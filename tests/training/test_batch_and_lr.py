@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from codegeex_train import pretrain
-from codegeex_train.arguments import parse_args
-from codegeex_train.optim import LRSchedule
+from codegeex_train.config.arguments import parse_args
 from codegeex_train.testing import metrics_records, run_distributed, tiny_model_args
 from codegeex_train.training import data
+from codegeex_train.training.optim import LRSchedule
 
 EOD = 0  # the shipped tokenizer's end-of-document id
 

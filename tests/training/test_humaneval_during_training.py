@@ -3,13 +3,40 @@
 import pytest
 
 from codegeex_train import pretrain
+from codegeex_train.generation import Generator
 from codegeex_train.testing import metrics_records, run_distributed, run_pretrain, tiny_pretrain_args
+
+SOLVED = "HumanEval/1"  # of the 2 tasks evaluated, the one whose completion is replaced by its canonical solution
+
+
+class OneSolvedGenerator(Generator):
+    """The real generator (every TP rank generates, collectively), except that the completion of SOLVED's prompt
+    is its canonical solution: the logged pass@1 must then be exactly 1/2, which no evaluation that skips
+    generation or execution, or a trainer that drops the record, can log."""
+
+    def generate(self, prompts, params):
+        from codegeex_train.evaluation.problems import read_problems
+
+        completions = super().generate(prompts, params)
+        solved = read_problems()[SOLVED]
+        assert prompts.count(solved["prompt"]) == 1, "SOLVED is not among the tasks evaluated"
+        return [solved["canonical_solution"] if p == solved["prompt"] else c for p, c in zip(prompts, completions)]
+
+
+def run_pretrain_one_solved(topology, argv):
+    """run_pretrain with the HumanEval callback's Generator replaced by OneSolvedGenerator (in this rank)."""
+    from codegeex_train.evaluation import during_training
+
+    during_training.Generator = OneSolvedGenerator
+    run_pretrain(topology, argv)
 
 
 def test_pass_at_1_is_logged_at_the_interval(tmp_path, tiny_data):
+    """pass@1 at iterations 2 and 4 is exactly 1/2: the random model's completion fails its task, the canonical
+    solution passes its own."""
     save = str(tmp_path / "run")
     # TP 2 x DP 2: DP rank 0's TP group generates (collective over TP), the logging rank executes.
-    run_distributed(run_pretrain, world_size=4, tp_size=2, deadline_s=600,
+    run_distributed(run_pretrain_one_solved, world_size=4, tp_size=2, deadline_s=600,
                     argv=tiny_pretrain_args(tiny_data, save, 4, "--tensor-model-parallel-size", "2",
                                    "--eval-humaneval-interval", "2", "--eval-humaneval-tasks", "2",
                                    "--eval-humaneval-max-new-tokens", "8", "--max-position-embeddings", "256"))
@@ -17,13 +44,15 @@ def test_pass_at_1_is_logged_at_the_interval(tmp_path, tiny_data):
     assert sorted(rows) == [2, 4]
     for row in rows.values():
         assert row["humaneval_tasks"] == 2 and row["humaneval_samples_per_task"] == 1
-        assert row["humaneval_pass@1"] == 0.0  # a 4-iteration random model solves nothing
+        assert row["humaneval_pass@1"] == 0.5  # the random model solves nothing, the canonical solution its task
     assert sorted(metrics_records(save)) == [1, 2, 3, 4]  # training went on around the evaluations
 
 
-def test_needs_a_single_pipeline_stage(tiny_data, capsys, monkeypatch):
+def test_needs_a_single_pipeline_stage(tiny_data, capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", "2")
+    save = tmp_path / "unused"
     with pytest.raises(SystemExit):
-        pretrain.main(tiny_pretrain_args(tiny_data, "unused", 4, "--pipeline-model-parallel-size", "2",
+        pretrain.main(tiny_pretrain_args(tiny_data, str(save), 4, "--pipeline-model-parallel-size", "2",
                                 "--eval-humaneval-interval", "2"))
     assert "--eval-humaneval-interval needs --pipeline-model-parallel-size 1" in capsys.readouterr().err
+    assert not save.exists()  # refused before anything was written

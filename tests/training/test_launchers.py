@@ -1,10 +1,9 @@
 """The entry point under the real launchers (the only tests that do not spawn ranks in-process)."""
 
 import os
-import subprocess
 import sys
 
-from codegeex_train.testing import free_port, read_metrics
+from codegeex_train.testing import free_port, read_metrics, run_process_group
 
 
 def test_torchrun_two_ranks(tmp_path, tiny_data):
@@ -15,7 +14,7 @@ def test_torchrun_two_ranks(tmp_path, tiny_data):
            "64", "--micro-batch-size", "2", "--train-iters", "2", "--log-interval", "1", "--eval-iters", "1",
            "--data-path", tiny_data, "--split", "90,9,1", "--save", str(save), "--no-progress-bar"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    out = run_process_group(cmd, capture_output=True, text=True, timeout=300, env=env)  # a timeout kills the ranks too
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "iteration        2/       2" in out.stdout
     rows = read_metrics(save)

@@ -75,7 +75,7 @@ def test_memory_per_rank_stays_flat(tmp_path, tiny_data):
 
 
 def test_fixed_thresholds_leave_the_users_choice(monkeypatch):
-    from codegeex_train.training import malloc
+    from codegeex_train.distributed import malloc
 
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # the user's: glibc read it at start-up

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from codegeex_train import pretrain
-from codegeex_train.arguments import ConfigError, parse_args, validate
-from codegeex_train.model.checkpoint import read_latest
+from codegeex_train.checkpoint.files import read_latest
+from codegeex_train.config.arguments import ConfigError, parse_args, validate
 from codegeex_train.testing import RankFailure, metrics_records, run_distributed, run_pretrain, tiny_pretrain_args
 from codegeex_train.training import fault_injection, trainer
 from codegeex_train.training.exit_conditions import ExitConditions, NumericalHealth, NumericalHealthError
@@ -172,11 +172,11 @@ def test_deepspeed_giving_up_on_the_loss_scale_is_the_same_error(monkeypatch, tm
     monkeypatch.setattr(trainer, "train_step", step)
     (tmp_path / "latest").write_text("iter_0000010")
     run = type("FakeRun", (), {"args": parse_args(["--data-path", "x", "--save", str(tmp_path)]),
-                                "topology": type("T", (), {"rank": 1})()})()
+                                "topology": type("T", (), {"rank": 1})(), "step_context": None})()
     h = health(check_grad_norm=False)
     h.consecutive_skipped = 17
     with pytest.raises(NumericalHealthError) as error:
-        trainer._checked_train_step(run, None, h, 12, None)
+        trainer._checked_train_step(run, None, h, 12)
     assert error.value.code == 1
     assert str(error.value) == (
         "18 consecutive iterations were skipped by fp16 dynamic loss scaling and the loss scale is at its minimum "

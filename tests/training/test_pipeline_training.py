@@ -1,19 +1,21 @@
 """Pipeline parallelism end to end under DeepSpeed ZeRO-2, on real gloo ranks: losses and grad norms at
 (TP, PP, DP) layouts equal the single-process run, the tied word embedding stays bit-identical on both ends
-of the pipeline, breaking the tied-gradient all-reduce is caught, and a PP = 2 resume is exact."""
+of the pipeline (and a last-stage copy that starts different is made equal to the first stage's, fp32 master
+too, by the start-up sync), breaking the tied-gradient all-reduce is caught, and a PP = 2 resume is exact."""
 
 import os
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
 from codegeex_train import pretrain
-from codegeex_train.model.checkpoint import write_latest
+from codegeex_train.checkpoint import resume
+from codegeex_train.checkpoint.files import write_latest
 from codegeex_train.pipeline.shared_embedding import shared_embedding_weight
 from codegeex_train.testing import load_tool, metrics_records, run_distributed, tiny_pretrain_args
 from codegeex_train.training import trainer
-
 
 ITERS = 10
 LAYOUTS = [(1, 2, 1), (2, 2, 1), (1, 4, 1), (1, 2, 2), (2, 2, 2)]  # (TP, PP, DP)
@@ -35,7 +37,7 @@ def train_and_return_embedding(topology, argv, break_hook=False):
     def train(run, *args, **kwargs):
         state = real_train(run, *args, **kwargs)
         weight = shared_embedding_weight(run.engine.module)
-        captured["weight"] = None if weight is None else weight.detach().clone()
+        captured["weight"] = None if weight is None else weight.detach().clone().numpy()
         return state
 
     pretrain.train = train
@@ -58,7 +60,7 @@ def run_layout(tmp_path, data, tp, pp, dp, name=None, break_hook=False):
 def full_table(ranks, tp, pp_rank, dp_rank=0):
     """The word table of one stage, TP shards concatenated by vocab rows."""
     shards = {r["coords"][0]: r["weight"] for r in ranks if r["coords"][1:] == (pp_rank, dp_rank)}
-    return torch.cat([shards[t] for t in range(tp)])
+    return np.concatenate([shards[t] for t in range(tp)])
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +83,7 @@ def test_pipeline_matches_single_process(tmp_path, tiny_data, baseline, tp, pp, 
         t, p, d = r["coords"]
         if p == pp - 1:
             first = next(q for q in ranks if q["coords"] == (t, 0, d))
-            assert torch.equal(r["weight"], first["weight"]), r["coords"]
+            assert np.array_equal(r["weight"], first["weight"]), r["coords"]
         elif p > 0:
             assert r["weight"] is None  # middle stages hold no word embedding
     # ... equal to the single-process model's table after the same training.
@@ -93,7 +95,62 @@ def test_skipping_the_tied_gradient_allreduce_is_caught(tmp_path, tiny_data, bas
     run, ranks = run_layout(tmp_path, tiny_data, 1, 2, 1, name="broken", break_hook=True)
     worst = max(abs(run[it]["loss"] / base[it]["loss"] - 1) for it in base)
     assert worst > 1e-4, worst  # the parity test above would fail
-    assert not torch.equal(full_table(ranks, 1, 0), full_table(ranks, 1, 1))  # and the copies drift apart
+    assert not np.array_equal(full_table(ranks, 1, 0), full_table(ranks, 1, 1))  # and the copies drift apart
+
+
+def perturb_sync_and_train(topology, argv):
+    """pretrain.main where, just before the start-up sync_shared_embedding, the last stage's copy of the word table
+    (model weight and ZeRO's fp32 master) gets noise; this rank's table (and fp32 master) right after the sync
+    and after training, as numpy, with the noisy copy before the sync."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
+
+    captured = {}
+    real_sync, real_train = resume.sync_shared_embedding, pretrain.train
+
+    def numpy_weight_and_master(module):
+        weight = shared_embedding_weight(module)
+        master = safe_get_full_fp32_param(weight)  # a collective over DP, on every DP rank of this stage
+        return weight.detach().clone().numpy(), None if master is None else master.detach().clone().numpy()
+
+    @torch.no_grad()
+    def sync(module, topo):
+        weight = shared_embedding_weight(module)
+        if topo.is_last_stage:  # the same noise on every DP rank (a replicated weight), another per TP shard
+            noise = torch.randn(weight.shape, generator=torch.Generator().manual_seed(100 + topo.tp_rank))
+            weight.add_(0.1 * noise)
+            assert hasattr(weight, "_hp_mapping"), "not under a ZeRO optimizer: no fp32 master to perturb"
+            safe_set_full_fp32_param(weight, weight.detach().float())
+        captured["before"] = numpy_weight_and_master(module)[0]
+        real_sync(module, topo)
+        captured["synced"], captured["synced_master"] = numpy_weight_and_master(module)
+
+    def train(run, *args, **kwargs):
+        state = real_train(run, *args, **kwargs)
+        captured["trained"] = shared_embedding_weight(run.engine.module).detach().clone().numpy()
+        return state
+
+    resume.sync_shared_embedding, pretrain.train = sync, train
+    pretrain.main(argv)
+    return {"coords": (topology.tp_rank, topology.pp_rank, topology.dp_rank), **captured}
+
+
+def test_sync_makes_a_different_last_stage_copy_equal(tmp_path, tiny_data):
+    """TP 1 x PP 2 x DP 2 (ZeRO-2 partitions the fp32 master over DP): a last-stage copy perturbed before the
+    start-up sync equals the first stage's, bit for bit, right after it (model weight and fp32 master), and after
+    3 training steps."""
+    ranks = run_distributed(perturb_sync_and_train, world_size=4, pp_size=2, deadline_s=600,
+                            argv=pipeline_args(tiny_data, str(tmp_path / "run"), 1, 2, 2, 3))
+    by_coords = {r["coords"]: r for r in ranks}
+    for (t, p, d), last in by_coords.items():
+        if p == 0:
+            continue
+        first = by_coords[(t, 0, d)]
+        assert not np.array_equal(last["before"], first["before"]), "the perturbation did not happen"
+        assert np.array_equal(last["synced"], first["synced"]), ("model weight after the sync", (t, p, d))
+        assert np.array_equal(last["synced_master"], first["synced"]), ("fp32 master after the sync", (t, p, d))
+        assert np.array_equal(first["synced_master"], first["synced"]), (t, p, d)
+        assert np.array_equal(last["trained"], first["trained"]), ("after training", (t, p, d))
+        assert not np.array_equal(first["trained"], first["synced"])  # it trained
 
 
 def test_resume_at_pp2_is_exact(tmp_path, tiny_data):

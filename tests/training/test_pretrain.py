@@ -8,9 +8,15 @@ import pytest
 import torch
 
 from codegeex_train import pretrain
-from codegeex_train.model.checkpoint import read_latest, write_latest
-from codegeex_train.testing import (RankFailure, metrics_records, read_metrics, run_distributed, run_pretrain,
-                                   tiny_pretrain_args)
+from codegeex_train.checkpoint.files import read_latest, write_latest
+from codegeex_train.testing import (
+    RankFailure,
+    metrics_records,
+    read_metrics,
+    run_distributed,
+    run_pretrain,
+    tiny_pretrain_args,
+)
 
 ITERS = 20
 
@@ -106,7 +112,7 @@ def test_checkpoint_activations_same_losses(tmp_path, tiny_data):
 
 
 def test_wandb_offline_run_matches_metrics_file(tmp_path, tiny_data, monkeypatch):
-    from codegeex_train.training.metrics import read_offline_wandb_history
+    from codegeex_train.metrics import read_offline_wandb_history
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     wandb_dir = tmp_path / "wb"

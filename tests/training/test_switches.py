@@ -52,19 +52,20 @@ def test_checkpoint_activations_recomputes_every_layer(tmp_path, tiny_data):
 
 def eval_by_hand(topology, argv):
     """Train (evaluating at iterations 1 and 2), then recompute the last evaluation from the final weights."""
-    from codegeex_train.model.checkpoint import load_model_checkpoint
+    from codegeex_train.checkpoint.files import load_model_checkpoint
     from codegeex_train.model.codegeex import CodeGeeXModel
     from codegeex_train.training.data import build_datasets, loader, num_samples
 
     pretrain.main(argv)
-    args, plan, _, _ = pretrain.prepare(argv)
+    prepared = pretrain.prepare(argv)
+    args, layout = prepared.args, prepared.layout
     model = CodeGeeXModel(args.model, None, None, seed=0).eval()
     load_model_checkpoint(args.train.save, model)
-    _, valid, _ = build_datasets(args.data, args.train, plan, 0)
-    batches = loader(valid, 0, plan, 0, 0, num_samples(args.train, plan)[1])
+    _, valid, _ = build_datasets(args.data, args.train, layout, 0)
+    batches = loader(valid, 0, layout, 0, 0, num_samples(args.train, layout)[1])
     losses = []
     with torch.no_grad():
-        for batch in itertools.islice(batches, args.train.eval_iters * plan.num_microbatches):
+        for batch in itertools.islice(batches, args.train.eval_iters * layout.num_microbatches):
             text = batch["text"]  # (b, s + 1): inputs and next-token labels, written out here
             inputs, labels = text[:, :-1], text[:, 1:]
             positions = torch.arange(inputs.shape[1]).expand_as(inputs)

@@ -2,14 +2,17 @@
 (`tools/convert_checkpoint.py --to-universal`) continues at any layout exactly as the uninterrupted run did:
 Adam moments and step, LR schedule, consumed samples and data order all come back."""
 
-import os
-import shutil
-
 import pytest
 
 from codegeex_train import pretrain
-from codegeex_train.model.checkpoint import write_latest
-from codegeex_train.testing import load_tool, metrics_records, run_distributed, run_pretrain, tiny_pretrain_args
+from codegeex_train.testing import (
+    checkpoint_at,
+    load_tool,
+    metrics_records,
+    run_distributed,
+    run_pretrain,
+    tiny_pretrain_args,
+)
 
 ITERS, SAVED_AT = 8, 4
 RESUME_LAYOUTS = [(1, 1, 1), (1, 1, 2), (2, 1, 1), (1, 2, 1)]  # (TP, PP, DP)
@@ -17,32 +20,25 @@ RESUME_LAYOUTS = [(1, 1, 1), (1, 1, 2), (2, 1, 1), (1, 2, 1)]  # (TP, PP, DP)
 
 def layout_args(data, save, tp, pp, *extra):
     return tiny_pretrain_args(data, str(save), ITERS, "--tensor-model-parallel-size", str(tp),
-                     "--pipeline-model-parallel-size", str(pp), "--save-interval", str(SAVED_AT), *extra)
+                              "--pipeline-model-parallel-size", str(pp), "--save-interval", str(SAVED_AT), *extra)
 
 
-def checkpoint_at(full, out, iteration):
-    """A copy of run ``full`` whose ``latest`` names ``iteration`` (what a run stopped there would leave)."""
-    shutil.copytree(full, out)
-    os.remove(os.path.join(out, "metrics.jsonl"))
-    write_latest(out, f"iter_{iteration:07d}")
-    return str(out)
-
-
-@pytest.mark.parametrize("saved", [(2, 1, 2), (1, 2, 2)], ids=lambda layout: "saved_tp{}_pp{}_dp{}".format(*layout))
-def test_universal_checkpoint_resumes_at_any_layout(tmp_path, tiny_data, saved):
+def check_universal_resume(tmp_path, data, saved, resume_layouts):
+    """Train ``saved`` = (TP, PP, DP) for ITERS iterations, convert its checkpoint at SAVED_AT to universal, resume it
+    at each of ``resume_layouts``: every resumed iteration logs what the uninterrupted run logged."""
     tp, pp, dp = saved
     full = tmp_path / "full"
     run_distributed(run_pretrain, world_size=tp * pp * dp, tp_size=tp, pp_size=pp, deadline_s=600,
-                    argv=layout_args(tiny_data, full, tp, pp))
+                    argv=layout_args(data, full, tp, pp))
     reference = metrics_records(full)
     at_save = checkpoint_at(full, tmp_path / "at_save", SAVED_AT)
     universal = str(tmp_path / "universal")
     load_tool("convert_checkpoint").main(["--load", at_save, "--to-universal", universal])
 
-    for tp2, pp2, dp2 in RESUME_LAYOUTS:
+    for tp2, pp2, dp2 in resume_layouts:
         save = tmp_path / f"resumed_tp{tp2}_pp{pp2}_dp{dp2}"
         run_distributed(run_pretrain, world_size=tp2 * pp2 * dp2, tp_size=tp2, pp_size=pp2, deadline_s=600,
-                        argv=layout_args(tiny_data, save, tp2, pp2, "--load", universal))
+                        argv=layout_args(data, save, tp2, pp2, "--load", universal))
         resumed = metrics_records(save)
         assert sorted(resumed) == list(range(SAVED_AT + 1, ITERS + 1))
         for it in resumed:
@@ -51,6 +47,16 @@ def test_universal_checkpoint_resumes_at_any_layout(tmp_path, tiny_data, saved):
             assert resumed[it]["lr"] == pytest.approx(reference[it]["lr"], rel=1e-12), where
             assert resumed[it]["loss"] == pytest.approx(reference[it]["loss"], rel=1e-5), where
             assert resumed[it]["grad_norm"] == pytest.approx(reference[it]["grad_norm"], rel=1e-5), where
+
+
+@pytest.mark.parametrize("saved", [(2, 1, 2), (1, 2, 2)], ids=lambda layout: "saved_tp{}_pp{}_dp{}".format(*layout))
+def test_universal_checkpoint_resumes_at_any_layout(tmp_path, tiny_data, saved):
+    check_universal_resume(tmp_path, tiny_data, saved, RESUME_LAYOUTS)
+
+
+def test_universal_checkpoint_from_dp2_resumes_at_pp2(tmp_path, tiny_data):
+    """One pair (the fast tier's): DP 2's ZeRO partitions and the whole model -> two pipeline stages."""
+    check_universal_resume(tmp_path, tiny_data, (1, 1, 2), [(1, 2, 1)])
 
 
 def test_layout_mismatch_without_conversion_names_the_fix(tmp_path, tiny_data, capsys, monkeypatch):

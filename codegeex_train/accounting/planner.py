@@ -1,0 +1,422 @@
+"""Layout planner: which (TP, PP, DP, micro-batch, activation checkpointing) to use on a cluster, from the
+shapes alone, before any GPU is booked.
+
+    python -m codegeex_train.accounting.planner --config codegeex-13b --world-size 1536 --gpus-per-node 8 --gpu-memory-gb 32
+    python -m codegeex_train.accounting.planner --num-layers 39 --hidden-size 5120 --num-attention-heads 40 \\
+        --vocab-size 52224 --seq-length 2048 --global-batch-size 1536 --world-size 1536 [--top 20]
+
+Memory and bytes per step come from ``accounting.theory`` (the formulas the runs are checked against), FLOPs
+from ``model.flops``, layer splits from ``pipeline.stages`` (what ``--decoder-first/last-pipeline-num-layers``
+would give training). The step-time estimate is a model, not a measurement; its assumptions:
+
+* compute: every GEMM runs at ``--efficiency`` x ``--peak-tflops`` (one number for all shapes: small
+  micro-batches and high TP make GEMMs thinner and slower in reality, which this does not see);
+* 1F1B pipeline: a step takes (m + p - 1) x the slowest stage's time per micro-batch, so the parts are the
+  ideal compute, the stage imbalance (slowest stage minus the mean, m times) and the bubble ((p - 1) times
+  the slowest stage; bubble fraction (p - 1) / m as Megatron reports it);
+* TP all-reduces and PP sends are blocking in Megatron's schedule: on the critical path of every micro-batch;
+* collectives run as rings: a group of g ranks moves (g - 1) / g of the bytes ``theory`` counts per rank
+  over the slowest link in the group (intra-node if the group sits in one node, else inter-node);
+* DP (ZeRO-2, ``overlap_comm``): gradient reduce-scatters hide behind backward compute up to its length
+  (the last bucket never does); the all-gather of updated weights after the step is exposed;
+* the tied word-embedding all-reduce (first and last stage) runs after the flush: exposed;
+* memory: the worst stage of ``theory.memory_per_rank`` plus ``--overhead-gb`` (CUDA context, NCCL buffers,
+  allocator fragmentation), compared with ``--gpu-memory-gb``; memory is in GiB (a "32 GB" device has 32 GiB),
+  traffic in GB (10^9 bytes) like link speeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from functools import lru_cache
+from itertools import accumulate
+
+from codegeex_train.accounting.theory import (
+    Workload,
+    comm_bytes_per_step,
+    dp_allgather_bytes,
+    memory_per_rank,
+    stage_parameters,
+)
+from codegeex_train.config.model import ModelConfig, ModelConfigError
+from codegeex_train.distributed.layout import Layout
+from codegeex_train.distributed.topology import ParallelDims
+from codegeex_train.model.flops import layer_forward_flops
+from codegeex_train.pipeline.stages import PipelineSplitError, stage_layer_counts
+
+GIB = 2**30
+
+# CodeGeeX-13B as trained (THUDM/CodeGeeX README and paper): 39 layers + top query layer, h 5120, 40 heads,
+# ffn 20480, vocabulary padded to 52,224, sequence 2048, fp16, global batch 3,072 (micro-batch 16 on 192 DP
+# ranks), on 1,536 Ascend 910 (32 GB). Device figures are our assumptions: 256 TFLOP/s fp16 (Huawei's spec),
+# HCCS ~30 GB/s between the chips of a server, one 100 Gb/s RoCE port per chip between servers.
+PRESETS = {
+    "codegeex-13b": dict(num_layers=39, hidden_size=5120, num_attention_heads=40, ffn_hidden_size=20480,
+                         vocab_size=52224, max_position_embeddings=2048, seq_length=2048, global_batch_size=3072,
+                         dtype="fp16", world_size=1536, gpus_per_node=8, gpu_memory_gb=32, peak_tflops=256,
+                         intra_node_gbps=240, inter_node_gbps=100, fused_attention=False),
+}
+
+
+def from_preset(name: str) -> tuple[ModelConfig, "Cluster", dict]:
+    """(model, cluster, rank_layouts() keywords) of a preset."""
+    v = PRESETS[name]
+    model = ModelConfig(num_layers=v["num_layers"], hidden_size=v["hidden_size"],
+                        num_attention_heads=v["num_attention_heads"], ffn_hidden_size=v["ffn_hidden_size"],
+                        max_position_embeddings=v["max_position_embeddings"], vocab_size=v["vocab_size"])
+    cluster = Cluster(**{k: v[k] for k in ("world_size", "gpus_per_node", "gpu_memory_gb", "peak_tflops",
+                                           "intra_node_gbps", "inter_node_gbps", "fused_attention")})
+    return model, cluster, {"seq_length": v["seq_length"], "global_batch_size": v["global_batch_size"],
+                            "dtype_bytes": 4 if v["dtype"] == "fp32" else 2}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The machine. Defaults are an A100-80GB class node: 312 TFLOP/s bf16, NVLink (~300 GB/s of ring bus
+    bandwidth per GPU = 2400 Gb/s), one 200 Gb/s InfiniBand port per GPU."""
+
+    world_size: int
+    gpus_per_node: int = 8
+    gpu_memory_gb: float = 80.0
+    peak_tflops: float = 312.0
+    intra_node_gbps: float = 2400.0  # gigabits per second per GPU, as links are quoted
+    inter_node_gbps: float = 200.0
+    efficiency: float = 0.5  # achievable fraction of peak for the model's GEMMs (Megatron reaches ~0.4-0.55)
+    overhead_gb: float = 2.0  # CUDA context, NCCL buffers, fragmentation: GiB on top of theory's parts
+    # A fused attention kernel (flash / memory-efficient SDPA: what this stack runs on CUDA) keeps no s x s
+    # probabilities. CodeGeeX's 2022 MindSpore stack on Ascend had none: its preset sets False.
+    fused_attention: bool = True
+
+
+@dataclass
+class Row:
+    """One layout and its estimate. Bytes are per rank per optimizer step, the largest over stages."""
+
+    layout: Layout
+    checkpoint_activations: bool
+    parameters: int  # per rank, on the largest stage
+    memory_gb: float  # GiB per GPU, worst stage, overhead included
+    memory_parts: dict[str, int]  # bytes, worst stage (theory's parts)
+    fits: bool
+    comm_bytes: dict[str, int]
+    bubble_fraction: float
+    time_parts: dict[str, float] = field(default_factory=dict)  # seconds: compute, imbalance, bubble, tp, ...
+    rank: int = 0  # 1-based position among the layouts that fit (0: does not fit)
+
+    @property
+    def step_time(self) -> float:
+        return sum(self.time_parts.values())
+
+    @property
+    def layer_counts(self) -> tuple[int, ...]:
+        return tuple(len(r) for r in self.layout.stage_layers)
+
+    @property
+    def split(self) -> str:
+        """Layers per stage, run-length: '10x3+9' = three stages of 10 then one of 9."""
+        runs: list[list[int]] = []
+        for n in self.layer_counts:
+            if runs and runs[-1][0] == n:
+                runs[-1][1] += 1
+            else:
+                runs.append([n, 1])
+        return "+".join(f"{n}x{k}" if k > 1 else str(n) for n, k in runs)
+
+    @property
+    def split_flags(self) -> list[str]:
+        """The training flags that give this split (pipeline/stages.py): none when even."""
+        c = self.layer_counts
+        if len(set(c)) == 1:
+            return []
+        middle = c[1] if len(c) > 2 else None
+        flags = []
+        if c[0] != middle:
+            flags += ["--decoder-first-pipeline-num-layers", str(c[0])]
+        if c[-1] != middle:
+            flags += ["--decoder-last-pipeline-num-layers", str(c[-1])]
+        return flags
+
+
+class PlanError(ValueError):
+    """Inputs that cannot be planned; the message names the flag."""
+
+
+def _stage_flops(model: ModelConfig, layers: int, last: bool, b: int, s: int, ckpt: bool) -> int:
+    """Forward + backward (+ recompute) FLOPs of one stage for one micro-batch, split like model_flops."""
+    attn_layers = layers + (1 if last and model.top_query_layer else 0)
+    per_layer = layer_forward_flops(b, s, model.hidden_size, model.ffn_hidden_size)
+    logits = 2 * b * s * model.hidden_size * model.padded_vocab_size if last else 0
+    return 3 * (attn_layers * per_layer + logits) + (attn_layers * per_layer if ckpt else 0)
+
+
+@lru_cache(maxsize=None)
+def _best_split(model_key: tuple, num_layers: int, pp: int) -> tuple[int, ...]:
+    """The split ``stage_layer_counts`` accepts (even, or via first/last flags) whose slowest stage is fastest:
+    the last stage also runs the top query layer and the logits, so it often wants fewer layers."""
+    model = ModelConfig(**dict(model_key))
+    best, best_cost = None, None
+    options = [None, *range(1, num_layers + 1)]
+    for first in options if pp > 1 else [None]:
+        for last in options if pp > 1 else [None]:
+            try:
+                counts = tuple(stage_layer_counts(num_layers, pp, first, last))
+            except PipelineSplitError:
+                continue
+            cost = max(_stage_flops(model, n, i == pp - 1, 1, 1, False) for i, n in enumerate(counts))
+            if best_cost is None or cost < best_cost:
+                best, best_cost = counts, cost
+    if best is None:
+        raise PlanError(f"--num-layers {num_layers} cannot be split over {pp} stages")
+    return best
+
+
+def _spans_nodes(group_span: int, gpus_per_node: int) -> bool:
+    """A block of ``group_span`` consecutive ranks (TP fastest, then DP, then PP: topology.py) lies inside one
+    node only if it divides the node size."""
+    return group_span > gpus_per_node or gpus_per_node % group_span != 0
+
+
+def _ring_seconds(counted_bytes: int, group: int, gbps: float) -> float:
+    """A ring moves (g - 1) / g of what theory counts per rank: 2N for an all-reduce of N bytes, N for an
+    all-gather of N."""
+    if group <= 1 or counted_bytes == 0:
+        return 0.0
+    return counted_bytes * (group - 1) / group / (gbps * 1e9 / 8)
+
+
+def _layer_ranges(counts: tuple[int, ...]) -> tuple[range, ...]:
+    """Layers per stage -> each stage's global layer numbers, as ``pipeline.stages.stage_layer_ranges``."""
+    return tuple(range(end - n, end) for n, end in zip(counts, accumulate(counts)))
+
+
+def estimate_layout(model: ModelConfig, cluster: Cluster, *, seq_length: int, global_batch_size: int, tp: int,
+                    pp: int, micro_batch_size: int, checkpoint_activations: bool, dtype_bytes: int = 2,
+                    stage_layers: tuple[int, ...] | None = None, device: str = "cuda") -> Row:
+    """Memory, traffic and step time of one layout (no constraint checks beyond the arithmetic).
+    ``stage_layers``: layers per stage; default the split with the fastest slowest stage."""
+    dims = ParallelDims(cluster.world_size, tp, pp)
+    dp = dims.dp_size
+    m = global_batch_size // (micro_batch_size * dp)
+    counts = stage_layers
+    if counts is None:
+        counts = _best_split(tuple(sorted(vars(model).items())), model.num_layers, pp)
+    layout = Layout(dims, micro_batch_size, m, _layer_ranges(counts))
+    w = Workload(model=model, seq_length=seq_length, layout=layout, dtype_bytes=dtype_bytes,
+                 checkpoint_activations=checkpoint_activations,
+                 device=device if cluster.fused_attention else "unfused")
+    stages = range(pp)
+    mems = [memory_per_rank(w, i) for i in stages]
+    comms = [comm_bytes_per_step(w, i) for i in stages]
+    worst = max(stages, key=lambda i: mems[i].total)
+    memory_gb = mems[worst].total / GIB + cluster.overhead_gb
+
+    # Per micro-batch and stage: compute, then the blocking TP all-reduces and PP sends.
+    flops_per_s = cluster.peak_tflops * 1e12 * cluster.efficiency
+    pipeline_inter = _spans_nodes(cluster.world_size, cluster.gpus_per_node)  # PP is the outermost dimension
+    dp_inter = _spans_nodes(tp * dp, cluster.gpus_per_node)
+    compute = [_stage_flops(model, n, i == pp - 1, micro_batch_size, seq_length, checkpoint_activations)
+               / tp / flops_per_s for i, n in enumerate(counts)]
+    tp_s = [_ring_seconds(c["tp"] // m, tp, cluster.intra_node_gbps) for c in comms]  # TP <= one node
+    pp_s = [c["pp"] / m / ((cluster.inter_node_gbps if pipeline_inter else cluster.intra_node_gbps) * 1e9 / 8)
+            for c in comms]
+    per_mb = [compute[i] + tp_s[i] + pp_s[i] for i in stages]
+    slow = max(stages, key=lambda i: per_mb[i])
+    mean_compute = sum(compute) / pp
+
+    # After the flush: ZeRO-2's DP traffic and the tied-embedding all-reduce, on the worst stage.
+    def after_flush(i: int) -> tuple[float, float]:
+        dp_gbps = cluster.inter_node_gbps if dp_inter else cluster.intra_node_gbps
+        gather = dp_allgather_bytes(w, i)
+        reduce = _ring_seconds(comms[i]["dp"] - gather, dp, dp_gbps)
+        bucket = _ring_seconds(min(w.reduce_bucket_size, stage_parameters(w, i)) * dtype_bytes * 2, dp, dp_gbps)
+        backward = m * compute[i] * 2 / (3 + checkpoint_activations)  # backward (+ recompute) share
+        exposed_dp = max(reduce - backward, min(bucket, reduce)) + _ring_seconds(gather, dp, dp_gbps)
+        emb = _ring_seconds(comms[i]["embedding"], 2,
+                            cluster.inter_node_gbps if pipeline_inter else cluster.intra_node_gbps)
+        return exposed_dp, emb
+
+    flush = [after_flush(i) for i in stages]
+    last = max(stages, key=lambda i: sum(flush[i]))
+    parts = {
+        "compute": m * mean_compute,
+        "imbalance": m * (compute[slow] - mean_compute),
+        "bubble": (pp - 1) * per_mb[slow],
+        "tp": m * tp_s[slow],
+        "pp": m * pp_s[slow],
+        "dp": flush[last][0],
+        "embedding": flush[last][1],
+    }
+    bytes_ = {g: max(c[g] for c in comms) for g in comms[0]}
+    return Row(layout=layout, checkpoint_activations=checkpoint_activations,
+               parameters=max(stage_parameters(w, i) for i in stages), memory_gb=memory_gb,
+               memory_parts=mems[worst].as_dict(), fits=memory_gb <= cluster.gpu_memory_gb,
+               comm_bytes=bytes_, bubble_fraction=(pp - 1) / m, time_parts=parts)
+
+
+def candidate_layouts(model: ModelConfig, cluster: Cluster, seq_length: int, global_batch_size: int,
+                      micro_batch_sizes: list[int] | None = None):
+    """(tp, pp, micro) that training would accept: TP divides the heads, the MLP and the padded vocabulary (the
+    shards) and the node (TP stays on NVLink); PP <= layers; DP = world / (TP x PP) whole; the global batch
+    divides by micro x DP (a whole number of micro-batches per DP rank)."""
+    world = cluster.world_size
+    for tp in range(1, cluster.gpus_per_node + 1):
+        if (cluster.gpus_per_node % tp or model.num_attention_heads % tp or model.ffn_hidden_size % tp
+                or model.padded_vocab_size % tp or world % tp):
+            continue
+        for pp in range(1, min(model.num_layers, world // tp) + 1):
+            if world % (tp * pp):
+                continue
+            dp = world // (tp * pp)
+            if global_batch_size % dp:
+                continue
+            per_dp = global_batch_size // dp
+            micros = micro_batch_sizes or [1 << k for k in range(per_dp.bit_length()) if per_dp % (1 << k) == 0]
+            for b in micros:
+                if per_dp % b == 0:
+                    yield tp, pp, b
+
+
+def rank_layouts(model: ModelConfig, cluster: Cluster, *, seq_length: int, global_batch_size: int,
+                 micro_batch_sizes: list[int] | None = None, dtype_bytes: int = 2,
+                 checkpoint: tuple[bool, ...] = (False, True)) -> list[Row]:
+    """Every valid layout, fitting ones first ranked by estimated step time (``rank`` 1, 2, ...), then the
+    ones that do not fit, by memory."""
+    model.validate()
+    model.check_sequence_length(seq_length)
+    rows = [estimate_layout(model, cluster, seq_length=seq_length, global_batch_size=global_batch_size, tp=tp,
+                            pp=pp, micro_batch_size=b, checkpoint_activations=ck, dtype_bytes=dtype_bytes)
+            for tp, pp, b in candidate_layouts(model, cluster, seq_length, global_batch_size, micro_batch_sizes)
+            for ck in checkpoint]
+    fit = sorted((r for r in rows if r.fits), key=lambda r: r.step_time)
+    for i, r in enumerate(fit, 1):
+        r.rank = i
+    return fit + sorted((r for r in rows if not r.fits), key=lambda r: r.memory_gb)
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+
+COLUMNS = ("#", "TP", "PP", "DP", "micro", "m", "ckpt", "layers", "mem GiB", "TP GB", "PP GB", "DP GB", "emb GB",
+           "bubble", "step s", "compute", "imbal", "bubble s", "tp s", "pp s", "dp s", "emb s")
+
+
+def format_table(rows: list[Row]) -> str:
+    def cells(r: Row) -> list[str]:
+        gb = {g: f"{v / 1e9:.2f}" for g, v in r.comm_bytes.items()}
+        t, layout, dims = r.time_parts, r.layout, r.layout.dims
+        return [str(r.rank or "-"), str(dims.tp_size), str(dims.pp_size), str(dims.dp_size),
+                str(layout.micro_batch_size), str(layout.num_microbatches),
+                "yes" if r.checkpoint_activations else "no", r.split, f"{r.memory_gb:.1f}",
+                gb["tp"], gb["pp"], gb["dp"], gb["embedding"], f"{r.bubble_fraction:.2f}", f"{r.step_time:.2f}",
+                *(f"{t[k]:.2f}" for k in ("compute", "imbalance", "bubble", "tp", "pp", "dp", "embedding"))]
+
+    table = [list(COLUMNS)] + [cells(r) for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(COLUMNS))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in table)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, naming the flag; no usage dump, no traceback
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        raise SystemExit(2)
+
+
+def _positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be > 0")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m codegeex_train.accounting.planner",
+                description="Rank (TP, PP, DP, micro-batch, checkpointing) layouts by estimated step time.")
+    p.add_argument("--config", choices=sorted(PRESETS), help="a model + cluster preset; flags given override it")
+    pint, pfloat = _positive(int), _positive(float)
+    m = p.add_argument_group("model (the training CLI's flags)")
+    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size", "--vocab-size",
+                 "--max-position-embeddings", "--seq-length", "--global-batch-size"):
+        m.add_argument(flag, type=pint)
+    m.add_argument("--make-vocab-size-divisible-by", type=pint, default=128)
+    m.add_argument("--no-top-query-layer", action="store_true", help="a plain GPT (no CodeGeeX top query layer)")
+    m.add_argument("--micro-batch-size", type=pint, nargs="+", help="candidates (default: powers of two)")
+    m.add_argument("--tensor-model-parallel-size", type=pint, help="show only this TP (ranks stay global)")
+    m.add_argument("--pipeline-model-parallel-size", type=pint, help="show only this PP")
+    prec = m.add_mutually_exclusive_group()
+    for name in ("bf16", "fp16", "fp32"):
+        prec.add_argument(f"--{name}", dest="dtype", action="store_const", const=name)
+    c = p.add_argument_group("cluster (defaults: A100-80GB class; see Cluster)")
+    c.add_argument("--world-size", type=pint)
+    c.add_argument("--gpus-per-node", type=pint)
+    c.add_argument("--gpu-memory-gb", type=pfloat)
+    c.add_argument("--peak-tflops", type=pfloat, help="dense peak of the compute dtype per GPU")
+    c.add_argument("--intra-node-gbps", type=pfloat, help="per-GPU link inside a node, Gb/s (bits)")
+    c.add_argument("--inter-node-gbps", type=pfloat, help="per-GPU link between nodes, Gb/s (bits)")
+    c.add_argument("--efficiency", type=pfloat, help="achievable fraction of peak (default 0.5)")
+    c.add_argument("--overhead-gb", type=float, help="GiB per GPU beyond theory's parts (default 2)")
+    c.add_argument("--unfused-attention", dest="fused_attention", action="store_const", const=False,
+                   help="the devices have no fused (flash) attention: attention keeps its s x s probabilities "
+                        "(set by --config codegeex-13b: MindSpore on Ascend)")
+    p.add_argument("--top", type=pint, default=10, help="rows to print (default 10)")
+    p.add_argument("--all", action="store_true", help="also list layouts that do not fit")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = build_parser()
+    args = p.parse_args(argv)
+    given = {k: v for k, v in vars(args).items() if v is not None}
+    values = {**PRESETS.get(args.config or "", {}), **given}
+    for flag in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length",
+                 "global_batch_size", "world_size"):
+        if flag not in values:
+            p.error(f"--{flag.replace('_', '-')} is required (or --config)")
+    if values.get("efficiency", 0.5) > 1:
+        p.error(f"--efficiency {values['efficiency']}: a fraction of peak, at most 1")
+    model = ModelConfig(num_layers=values["num_layers"], hidden_size=values["hidden_size"],
+                        num_attention_heads=values["num_attention_heads"],
+                        ffn_hidden_size=values.get("ffn_hidden_size"),
+                        max_position_embeddings=values.get("max_position_embeddings", values["seq_length"]),
+                        make_vocab_size_divisible_by=values["make_vocab_size_divisible_by"],
+                        top_query_layer=not values["no_top_query_layer"],
+                        vocab_size=values["vocab_size"])
+    cluster = Cluster(**{k: values[k] for k in ("world_size", "gpus_per_node", "gpu_memory_gb", "peak_tflops",
+                                                "intra_node_gbps", "inter_node_gbps", "efficiency", "overhead_gb",
+                                                "fused_attention")
+                         if k in values})
+    dtype = values.get("dtype", "bf16")
+    try:
+        rows = rank_layouts(model, cluster, seq_length=values["seq_length"],
+                            global_batch_size=values["global_batch_size"],
+                            micro_batch_sizes=values.get("micro_batch_size"), dtype_bytes=4 if dtype == "fp32" else 2)
+    except (ModelConfigError, PlanError) as e:
+        p.error(str(e))
+    if not rows:
+        p.error(f"no layout: --world-size {cluster.world_size} and --global-batch-size "
+                f"{values['global_batch_size']} admit no TP x PP x DP with a whole number of micro-batches")
+    only_tp, only_pp = values.get("tensor_model_parallel_size"), values.get("pipeline_model_parallel_size")
+    shown = [r for r in rows if (args.all or r.fits) and only_tp in (None, r.layout.dims.tp_size)
+             and only_pp in (None, r.layout.dims.pp_size)][:args.top]
+    fitting = sum(r.fits for r in rows)
+    print(f"{model.num_layers} layers{' + top query layer' if model.top_query_layer else ''}, h {model.hidden_size}, "
+          f"{model.num_attention_heads} heads, ffn {model.ffn_hidden_size}, vocab {model.padded_vocab_size} (padded), "
+          f"seq {values['seq_length']}, global batch {values['global_batch_size']}, {dtype}; "
+          f"{cluster.world_size} GPUs, {cluster.gpus_per_node}/node, {cluster.gpu_memory_gb:g} GiB, "
+          f"{cluster.peak_tflops:g} TFLOP/s x {cluster.efficiency:g}, links {cluster.intra_node_gbps:g} / "
+          f"{cluster.inter_node_gbps:g} Gb/s intra / inter, {cluster.overhead_gb:g} GiB overhead")
+    print(f"{fitting} of {len(rows)} layouts fit; bytes per rank per step (GB), times in seconds per step")
+    if not fitting and not args.all:
+        smallest, layout = rows[0], rows[0].layout
+        print(f"nothing fits: the smallest needs {smallest.memory_gb:.1f} GiB (TP {layout.dims.tp_size} PP "
+              f"{layout.dims.pp_size} micro {layout.micro_batch_size} ckpt {smallest.checkpoint_activations}); "
+              f"see --all")
+        return
+    print(format_table(shown))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""Everything that reads, writes or converts a checkpoint.
+
+==================  ==========================================================================================
+``files.py``        the layout on disk: ``latest``, tags, one model file per model-parallel rank, its metadata
+``safe_load.py``    weights-only unpickling of every file we read: a file whose pickle would run code is refused
+``sharding.py``     full (TP = 1) <-> TP-sharded state dicts, full -> pipeline stages
+``hf_gpt2.py``      Hugging Face GPT-2 <-> our full state dict
+``codegeex_weights.py``  the released CodeGeeX checkpoint layout <-> our full state dict
+``train_state.py``  the counters and RNG streams a resume needs beyond model and optimizer
+``training.py``     training checkpoints through DeepSpeed (model, ZeRO partitions, train state)
+``universal.py``    the layout-free training checkpoint: resume at any TP / PP / DP
+``resume.py``       ``--load`` checked before any process group (``Resume``), then ``restore()`` once
+==================  ==========================================================================================
+
+May import: ``model``, ``pipeline``, ``tensor_parallel``, ``distributed``, ``config``. Nothing here trains.
+"""
+
+from codegeex_train.checkpoint.files import (
+    CheckpointError,
+    checkpoint_tag,
+    load_full_state_dict,
+    load_model_checkpoint,
+    load_model_shard,
+    read_checkpoint_meta,
+    read_latest,
+    save_model_checkpoint,
+)
+from codegeex_train.checkpoint.hf_gpt2 import config_from_hf_gpt2, full_to_hf_gpt2, hf_gpt2_config, hf_gpt2_to_full
+from codegeex_train.checkpoint.sharding import merge_state_dicts, partition_spec, split_model_parallel, split_state_dict
+
+__all__ = [
+    "CheckpointError", "checkpoint_tag", "load_full_state_dict", "load_model_checkpoint", "load_model_shard",
+    "read_checkpoint_meta", "read_latest", "save_model_checkpoint",
+    "config_from_hf_gpt2", "full_to_hf_gpt2", "hf_gpt2_config", "hf_gpt2_to_full",
+    "merge_state_dicts", "partition_spec", "split_model_parallel", "split_state_dict",
+]

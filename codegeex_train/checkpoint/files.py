@@ -1,0 +1,161 @@
+"""Model checkpoints in the layout DeepSpeed's ``save_checkpoint`` writes and ``--load`` reads:
+
+    DIR/latest                                  text: the tag, e.g. iter_0000000 or global_step1000
+    DIR/<tag>/mp_rank_{MP:02d}_model_states.pt  MP = pp_rank * tp_size + tp_rank
+        {"module": that rank's state_dict,
+         "codegeex_train": {"model_config": asdict(config), "tp_size", "pp_size", "iteration"}}
+
+``latest`` is written last and atomically (temp file + os.replace): a crash mid-save leaves the previous
+``latest`` pointing at the previous, complete tag. Every file is read with weights-only unpickling
+(``checkpoint/safe_load.py``): a file whose pickle would run code is refused, naming the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+from codegeex_train.checkpoint.safe_load import CheckpointError, safe_torch_load
+from codegeex_train.checkpoint.sharding import merge_state_dicts
+from codegeex_train.config.model import ModelConfig
+
+META_KEY = "codegeex_train"
+# Fields that change parameter shapes or names; the rest (dropout, init std, ...) may differ on load.
+SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
+                "padded_vocab_size", "top_query_layer")
+# Fields that change the function but not the shapes: a mismatch only warns (e.g. fine-tuning choices).
+FUNCTION_FIELDS = ("activation", "layernorm_epsilon")
+
+
+def checkpoint_tag(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def shard_file(directory: str | os.PathLike, tag: str, tp_rank: int, tp_size: int, pp_rank: int = 0) -> Path:
+    return Path(directory) / tag / f"mp_rank_{pp_rank * tp_size + tp_rank:02d}_model_states.pt"
+
+
+def write_latest(directory: str | os.PathLike, tag: str) -> None:
+    tmp = Path(directory) / "latest.tmp"
+    tmp.write_text(tag)
+    os.replace(tmp, Path(directory) / "latest")
+
+
+def read_latest(directory: str | os.PathLike) -> str:
+    path = Path(directory) / "latest"
+    if not path.is_file():
+        raise CheckpointError(f"no checkpoint in {directory}: {path} does not exist (it names the tag to load; "
+                              f"a save writes it last, so its absence also means no save completed)")
+    tag = path.read_text().strip()
+    if not tag or "/" in tag or os.sep in tag or tag in (".", ".."):  # a tag names a directory inside DIR
+        raise CheckpointError(f"{path} holds {tag!r}, not a checkpoint tag (such as iter_0000100)")
+    return tag
+
+
+def save_model_checkpoint(directory: str | os.PathLike, shard_sds: list[dict], config: ModelConfig, tp_size: int,
+                          *, pp_size: int = 1, tag: str = "iter_0000000", iteration: int = 0) -> Path:
+    """Write one file per model-parallel rank (``shard_sds`` in MP order), then ``latest``."""
+    if len(shard_sds) != tp_size * pp_size:
+        raise ValueError(f"{len(shard_sds)} shards for TP {tp_size} x PP {pp_size}")
+    meta = {"model_config": dataclasses.asdict(config), "tp_size": tp_size, "pp_size": pp_size, "iteration": iteration}
+    for mp_rank, sd in enumerate(shard_sds):
+        path = shard_file(directory, tag, mp_rank % tp_size, tp_size, mp_rank // tp_size)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"module": sd, META_KEY: meta}, path)
+    write_latest(directory, tag)
+    return Path(directory) / tag
+
+
+def _describe(config_fields: dict, tp_size: int, pp_size: int) -> str:
+    return ", ".join(f"{k} {config_fields[k]}" for k in SHAPE_FIELDS) + f", tp {tp_size}, pp {pp_size}"
+
+
+def _shape_fields(config: ModelConfig) -> dict:
+    return {k: getattr(config, k) for k in SHAPE_FIELDS}
+
+
+def describe_shape_difference(stored: ModelConfig, config: ModelConfig) -> str:
+    """Each parameter-shape field on which the two models differ, both sides; empty when they have the same."""
+    theirs, ours = _shape_fields(stored), _shape_fields(config)
+    return "; ".join(f"{k}: checkpoint {theirs[k]}, this run {ours[k]}" for k in ours if ours[k] != theirs[k])
+
+
+def _load(path: Path, mmap: bool = False) -> dict:
+    """A model file, weights-only (refused if its pickle needs more), checked to hold our layout."""
+    state = safe_torch_load(path, mmap=mmap)
+    meta = state.get(META_KEY) if isinstance(state, dict) else None
+    if not isinstance(meta, dict) or not isinstance(state.get("module"), dict):
+        raise CheckpointError(f"{path} is not a codegeex_train model file: it lacks the 'module' state dict or "
+                              f"the {META_KEY!r} metadata (convert other checkpoints with tools/convert_checkpoint.py)")
+    try:
+        if not all(isinstance(meta[k], int) and meta[k] >= (k != "iteration") for k in ("tp_size", "pp_size",
+                                                                                         "iteration")):
+            raise TypeError("tp_size, pp_size >= 1 and iteration >= 0 must be integers")
+        ModelConfig(**meta["model_config"]).validate(meta["tp_size"])  # as it was when saved
+    except (KeyError, TypeError, ValueError) as e:  # ValueError: ModelConfigError
+        raise CheckpointError(f"{path}: unreadable {META_KEY!r} metadata ({e})") from None
+    return state
+
+
+def read_checkpoint_meta(directory: str | os.PathLike) -> tuple[str, dict]:
+    """(tag, metadata) of the latest checkpoint, from its MP rank 0 file."""
+    tag = read_latest(directory)
+    path = shard_file(directory, tag, 0, 1)
+    if not path.is_file():
+        raise CheckpointError(f"{directory}/latest names tag {tag!r} but {path} does not exist")
+    return tag, _load(path, mmap=True)[META_KEY]  # mmap: reads the metadata, not every tensor
+
+
+def _check_fits(directory, tag: str, meta: dict, config: ModelConfig, tp_size: int, pp_size: int) -> None:
+    stored = ModelConfig(**meta["model_config"])
+    ours, theirs = _shape_fields(config), _shape_fields(stored)
+    if (theirs, meta["tp_size"], meta["pp_size"]) == (ours, tp_size, pp_size):
+        for name in FUNCTION_FIELDS:  # same shapes, different maths: allowed (fine-tuning), but say so
+            if getattr(stored, name) != getattr(config, name):
+                warnings.warn(f"checkpoint {directory} was saved with {name}={getattr(stored, name)!r}; "
+                              f"this run uses {getattr(config, name)!r}", stacklevel=3)
+        return
+    hint = ("; convert it with tools/convert_checkpoint.py --load DIR --save NEW_DIR --tensor-model-parallel-size N "
+            "--pipeline-model-parallel-size M" if theirs == ours else "")
+    raise CheckpointError(f"checkpoint {directory} ({tag}) has {_describe(theirs, meta['tp_size'], meta['pp_size'])}; "
+                          f"this run has {_describe(ours, tp_size, pp_size)}{hint}")
+
+
+def load_model_shard(directory: str | os.PathLike, config: ModelConfig, tp_size: int, tp_rank: int, *,
+                     pp_size: int = 1, pp_rank: int = 0) -> tuple[dict, dict]:
+    """This rank's (state_dict, metadata) from the latest checkpoint, after checking that its model shape
+    and TP/PP sizes equal this run's; the error names both."""
+    tag = read_latest(directory)
+    path = shard_file(directory, tag, tp_rank, tp_size, pp_rank)
+    if not path.is_file():  # saved with fewer model-parallel ranks: explain with rank 0's metadata
+        _check_fits(directory, tag, read_checkpoint_meta(directory)[1], config, tp_size, pp_size)
+        raise CheckpointError(f"{path} does not exist")
+    state = _load(path)  # every shard carries the metadata: one read per rank
+    _check_fits(directory, tag, state[META_KEY], config, tp_size, pp_size)
+    return state["module"], state[META_KEY]
+
+
+def load_model_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, *, pp_size: int = 1,
+                          pp_rank: int = 0) -> dict:
+    """Load the latest checkpoint into ``model`` (a CodeGeeXModel stage, strict); returns the metadata."""
+    sd, meta = load_model_shard(directory, model.config, model.tp_size, model.tp_rank, pp_size=pp_size,
+                                pp_rank=pp_rank)
+    model.load_state_dict(sd)
+    return meta
+
+
+def load_full_state_dict(directory: str | os.PathLike) -> tuple[dict, ModelConfig, dict]:
+    """(TP=1 state dict, config, metadata) of the latest checkpoint, at whatever TP/PP it was saved."""
+    tag, meta = read_checkpoint_meta(directory)
+    config = ModelConfig(**meta["model_config"])
+    tp, pp = meta["tp_size"], meta["pp_size"]
+    full: dict = {}
+    for pp_rank in range(pp):
+        shards = [_load(shard_file(directory, tag, r, tp, pp_rank))["module"] for r in range(tp)]
+        # Stages' names are global and disjoint, except the tied word table (first and last stage): keep one.
+        full.update({k: v for k, v in merge_state_dicts(shards, config).items() if k not in full})
+    return full, config, meta

@@ -1,0 +1,13 @@
+"""Configuration: the typed sections behind the pretraining command line, checked once.
+
+==================  ======================================================================================
+``options.py``      ``option()``: a dataclass field that is also a flag; argparse generated from the dataclasses
+``model.py``        ``ModelConfig``: the model's shape and maths (``--num-layers``, ``--hidden-size``, ...)
+``arguments.py``    the other sections (parallel, train, optim, data, logging), ``parse_args`` and ``validate``:
+                    every cross-section rule in one place, deriving the run's ``Layout``
+``deepspeed.py``    the DeepSpeed JSON built from the flags (a user's ``--deepspeed-config`` may only add to it)
+==================  ======================================================================================
+
+May import: ``pipeline`` (stage splits), ``distributed`` (``ParallelDims``, ``Layout``). Nothing here creates a
+process group: a bad flag is refused before any exists.
+"""

@@ -1,0 +1,249 @@
+"""The pretraining command line: typed config sections, Megatron's flag names, validated once.
+
+``parse_args`` turns argv into ``Args`` (one dataclass per concern); ``validate`` checks every
+cross-section rule in a fixed order and derives the batch arithmetic, before any process group exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import warnings
+from dataclasses import dataclass
+
+from codegeex_train.config.model import ModelConfig, ModelConfigError
+from codegeex_train.config.options import build_parser, dataclass_from_args, option
+from codegeex_train.distributed.layout import Layout
+from codegeex_train.distributed.topology import ParallelConfigError, ParallelDims
+from codegeex_train.pipeline.stages import PipelineSplitError, stage_layer_ranges
+
+
+class ConfigError(ValueError):
+    """Bad flags; the message names the flag(s) and the fix."""
+
+
+@dataclass
+class ParallelConfig:
+    """Parallelism: TP inside a node, PP across stages, DP (DeepSpeed ZeRO) over the rest."""
+
+    tensor_model_parallel_size: int = option(1, "TP size: ranks that split every layer (contiguous ranks, "
+                                             "keep inside a node)")
+    pipeline_model_parallel_size: int = option(1, "PP size: pipeline stages (layers split evenly; see the two "
+                                               "flags below for an uneven split)")
+    decoder_first_pipeline_num_layers: int | None = option(None, "layers on the first pipeline stage; the rest "
+                                                           "split evenly over the others")
+    decoder_last_pipeline_num_layers: int | None = option(None, "layers on the last pipeline stage (it also holds "
+                                                          "the final LayerNorm, top query layer and output layer)")
+    distributed_backend: str = option("auto", "torch.distributed backend; auto = nccl on GPU, gloo on CPU",
+                                      choices=("auto", "nccl", "gloo"))
+    distributed_timeout_minutes: float = option(10.0, "bound on every wait: forming the job (a node that "
+                                                "never joins) and each collective (a peer that stopped)")
+
+
+@dataclass
+class TrainConfig:
+    """Training: batch arithmetic, iterations, precision, checkpoints, evaluation."""
+
+    micro_batch_size: int = option(4, "sequences per micro-batch per data-parallel rank")
+    global_batch_size: int | None = option(None, "sequences per optimizer step over all ranks "
+                                           "(default: micro batch x DP)")
+    num_microbatches: int | None = option(None, "micro-batches per step per DP rank; optional, must equal "
+                                          "global / (micro x DP)")
+    seq_length: int = option(512, "tokens per training sequence")
+    train_iters: int = option(100, "optimizer steps to train")
+    seed: int = option(1234, "random seed (initialisation, data order, dropout)")
+    fp16: bool = option(False, "fp16 mixed precision with dynamic loss scaling (GPU)")
+    bf16: bool = option(False, "bf16 mixed precision")
+    checkpoint_activations: bool = option(False, "recompute each layer's activations in backward")
+    save: str | None = option(None, "directory to save checkpoints to")
+    load: str | None = option(None, "directory to resume from (its 'latest' checkpoint)")
+    save_interval: int | None = option(None, "save every N iterations (and always at the end when --save)")
+    eval_interval: int = option(1000, "evaluate on the validation split every N iterations")
+    eval_iters: int = option(10, "validation batches per evaluation")
+    eval_humaneval_interval: int | None = option(None, "greedy HumanEval pass@1 every N iterations, on the first "
+                                                 "--eval-humaneval-tasks problems (PP 1)")
+    eval_humaneval_tasks: int = option(20, "HumanEval problems scored by --eval-humaneval-interval")
+    eval_humaneval_max_new_tokens: int = option(128, "tokens generated per problem by --eval-humaneval-interval")
+    deepspeed_config: str | None = option(None, "a DeepSpeed JSON to start from; the flags fill in and must "
+                                          "agree with batch sizes, clipping, precision and ZeRO stage")
+    zero_stage: int = option(2, "DeepSpeed ZeRO stage", choices=(0, 1, 2))
+    exit_interval: int | None = option(None, "stop after this many iterations of this run (for tests)")
+    exit_signal_handler: bool = option(False, "on SIGTERM (preemption) finish the iteration, save a checkpoint "
+                                       "(with --save) and exit 0; all ranks stop at the same iteration")
+    exit_duration_in_mins: float | None = option(None, "stop the same way once this run has taken this many "
+                                                 "minutes (set it below the job's wall-clock limit)")
+    check_for_nan_in_loss_and_grad: bool = option(True, "stop with an error (exit 1, nothing saved) at the first "
+                                                  "iteration whose loss or gradient norm is NaN or Inf, checked "
+                                                  "every iteration (one all-reduce of a few integers and a host "
+                                                  "sync); with --no-check-for-nan-in-loss-and-grad only at "
+                                                  "iterations that log or save (never a checkpoint unchecked)")
+    max_consecutive_skipped_iterations: int = option(20, "fp16: stop with an error when more than this many steps "
+                                                     "in a row are skipped by dynamic loss scaling (0: no limit)")
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer and learning-rate schedule."""
+
+    optimizer: str = option("adam", "adam = AdamW (decoupled weight decay), or sgd", choices=("adam", "sgd"))
+    lr: float = option(3e-4, "peak learning rate", flags=("--lr", "--learning-rate"))
+    min_lr: float = option(0.0, "learning rate at the end of the decay")
+    lr_decay_style: str = option("cosine", "decay after warm-up", choices=("constant", "linear", "cosine"))
+    lr_decay_iters: int | None = option(None, "iterations of warm-up plus decay (default: --train-iters)")
+    lr_warmup_iters: int = option(0, "linear warm-up iterations")
+    lr_warmup_fraction: float | None = option(None, "warm-up as a fraction of --lr-decay-iters "
+                                              "(instead of --lr-warmup-iters)")
+    weight_decay: float = option(0.01, "AdamW weight decay (not applied to biases and norms)")
+    clip_grad: float = option(1.0, "clip the global gradient norm to this (0 disables)")
+    adam_beta1: float = option(0.9, "Adam beta1")
+    adam_beta2: float = option(0.999, "Adam beta2")
+    adam_eps: float = option(1e-8, "Adam epsilon")
+    sgd_momentum: float = option(0.9, "SGD momentum")
+
+
+@dataclass
+class DataConfig:
+    """Data: indexed datasets, splits, tokenizer."""
+
+    data_path: list[str] | None = option(None, "PREFIX of a .bin/.idx pair, or a blend 'W1 PREFIX1 W2 PREFIX2'")
+    train_data_path: list[str] | None = option(None, "separate training data (instead of --split)")
+    valid_data_path: list[str] | None = option(None, "separate validation data")
+    test_data_path: list[str] | None = option(None, "separate test data")
+    split: str = option("969,30,1", "train,valid,test proportions of the documents of --data-path")
+    tokenizer_type: str | None = option(None, "HFTokenizer, GPT2BPETokenizer, SentencePieceTokenizer or "
+                                        "CodeGeeXTokenizer (CodeGeeX-13B's: GPT-2 + 143 extra tokens = 50400 ids, "
+                                        "whitespace encoding built in; pad with --make-vocab-size-divisible-by "
+                                        "52224) (default: the shipped tokenizer trained on the Python stdlib)")
+    tokenizer_model: str | None = option(None, "tokenizer.json (HFTokenizer), .model (SentencePiece), or for "
+                                         "CodeGeeXTokenizer a tokenizer.json or Hugging Face tokenizer directory "
+                                         "(e.g. a local copy of EleutherAI/gpt-j-6B's tokenizer files)")
+    vocab_file: str | None = option(None, "GPT-2 vocab.json (GPT2BPETokenizer, CodeGeeXTokenizer)")
+    merge_file: str | None = option(None, "GPT-2 merges.txt (GPT2BPETokenizer, CodeGeeXTokenizer)")
+    whitespace_encoding: bool = option(False, "CodeGeeX's whitespace tokens for runs of spaces (always on with "
+                                       "CodeGeeXTokenizer)")
+    num_workers: int = option(2, "DataLoader worker processes")
+
+
+@dataclass
+class LoggingConfig:
+    """Logging: console, a JSON-lines metrics file and wandb."""
+
+    log_interval: int = option(10, "log one line every N iterations")
+    metrics_file: str | None = option(None, "JSON-lines metrics (default: <save>/metrics.jsonl)")
+    wandb_project: str | None = option(None, "log to this wandb project (offline when no key or network)")
+    wandb_name: str | None = option(None, "wandb run name")
+    wandb_dir: str | None = option(None, "where wandb writes its files (default: <save> or the cwd)")
+    progress_bar: bool = option(True, "show a progress bar on the logging rank")
+    peak_tflops: float | None = option(None, "the device's peak dense TFLOP/s at the training precision, to "
+                                       "report MFU (e.g. 989 for an H100 SXM in bf16)")
+
+
+SECTIONS = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "train": TrainConfig,
+    "optim": OptimConfig,
+    "data": DataConfig,
+    "logging": LoggingConfig,
+}
+
+
+@dataclass
+class Args:
+    model: ModelConfig
+    parallel: ParallelConfig
+    train: TrainConfig
+    optim: OptimConfig
+    data: DataConfig
+    logging: LoggingConfig
+
+
+def parser() -> argparse.ArgumentParser:
+    p = build_parser(SECTIONS, (__doc__ or "").strip())
+    # The deepspeed launcher appends --local_rank=N; torchrun sets LOCAL_RANK instead.
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> Args:
+    ns = parser().parse_args(argv)
+    return Args(**{name: dataclass_from_args(cls, ns) for name, cls in SECTIONS.items()})
+
+
+def validate(args: Args, world_size: int) -> Layout:
+    """Every rule that spans sections, in order; raises ConfigError naming the flags."""
+    t, o, d = args.train, args.optim, args.data
+    try:
+        dims = ParallelDims(world_size, args.parallel.tensor_model_parallel_size,
+                            args.parallel.pipeline_model_parallel_size)
+    except ParallelConfigError as e:
+        raise ConfigError(str(e)) from None
+    if t.micro_batch_size < 1 or t.train_iters < 1 or t.seq_length < 1:
+        raise ConfigError("--micro-batch-size, --train-iters and --seq-length must be >= 1")
+    per_step = t.micro_batch_size * dims.dp_size
+    global_batch = t.global_batch_size or per_step * (t.num_microbatches or 1)
+    if global_batch % per_step:
+        raise ConfigError(
+            f"--global-batch-size {global_batch} is not divisible by --micro-batch-size {t.micro_batch_size} x "
+            f"data-parallel size {dims.dp_size} = {per_step}: use a multiple of {per_step}")
+    num_microbatches = global_batch // per_step
+    if t.num_microbatches is not None and t.num_microbatches != num_microbatches:
+        raise ConfigError(
+            f"--num-microbatches {t.num_microbatches} disagrees with --global-batch-size {global_batch} / "
+            f"(--micro-batch-size {t.micro_batch_size} x DP {dims.dp_size}) = {num_microbatches}")
+    p = args.parallel
+    try:
+        stage_layers = tuple(stage_layer_ranges(args.model.num_layers, dims.pp_size,
+                                                p.decoder_first_pipeline_num_layers,
+                                                p.decoder_last_pipeline_num_layers))
+    except PipelineSplitError as e:
+        raise ConfigError(str(e)) from None
+    if dims.pp_size > 1 and t.zero_stage == 0:
+        # Without ZeRO, DeepSpeed's own clipping does not skip the tied copy (measured: 3e-5 off by step 4).
+        raise ConfigError(f"--pipeline-model-parallel-size {dims.pp_size} needs --zero-stage 1 or 2 (the stages' "
+                          f"gradient norm is exact only through ZeRO's mpu-aware path); --zero-stage 0 is PP = 1 only")
+    if 1 < dims.pp_size and num_microbatches < dims.pp_size:
+        bubble = (dims.pp_size - 1) / (num_microbatches + dims.pp_size - 1)
+        warnings.warn(f"{num_microbatches} micro-batch(es) per step for {dims.pp_size} pipeline stages: the bubble "
+                      f"((p - 1) / (m + p - 1) = {bubble:.0%} of each step idle) dominates; raise "
+                      f"--global-batch-size or lower --micro-batch-size so that m >= p (ideally m >> p)",
+                      stacklevel=2)
+    if t.fp16 and t.bf16:
+        raise ConfigError("--fp16 and --bf16 are exclusive: choose one")
+    try:
+        args.model.check_sequence_length(t.seq_length)
+        if args.model.vocab_size:
+            args.model.validate(dims.tp_size)
+        elif args.model.num_attention_heads % dims.tp_size:  # the rest waits for the tokenizer's vocab
+            raise ModelConfigError(f"--num-attention-heads {args.model.num_attention_heads} is not divisible by "
+                                   f"--tensor-model-parallel-size {dims.tp_size}")
+    except ModelConfigError as e:
+        raise ConfigError(str(e)) from None
+    if not (d.data_path or d.train_data_path):
+        raise ConfigError("no data: pass --data-path PREFIX (from tools/preprocess_data.py) or --train-data-path")
+    if d.data_path and d.train_data_path:
+        raise ConfigError("--data-path and --train-data-path are exclusive: use --split with the first")
+    if o.lr_warmup_fraction is not None and o.lr_warmup_iters:
+        raise ConfigError("--lr-warmup-iters and --lr-warmup-fraction are exclusive")
+    if o.min_lr > o.lr:
+        raise ConfigError(f"--min-lr {o.min_lr} is above --lr {o.lr}")
+    if args.parallel.distributed_timeout_minutes <= 0:
+        raise ConfigError(f"--distributed-timeout-minutes {args.parallel.distributed_timeout_minutes} must be "
+                          f"above 0 (it bounds every wait; Megatron's default is 10)")
+    if t.max_consecutive_skipped_iterations < 0:
+        raise ConfigError(f"--max-consecutive-skipped-iterations {t.max_consecutive_skipped_iterations} must be >= 0 "
+                          f"(0: no limit)")
+    if t.exit_duration_in_mins is not None and t.exit_duration_in_mins <= 0:
+        raise ConfigError(f"--exit-duration-in-mins {t.exit_duration_in_mins} must be above 0")
+    if t.eval_humaneval_interval is not None:
+        if (t.eval_humaneval_interval < 1 or not 1 <= t.eval_humaneval_tasks <= 164
+                or t.eval_humaneval_max_new_tokens < 1):
+            raise ConfigError("--eval-humaneval-interval must be >= 1, --eval-humaneval-tasks within 1..164 and "
+                              "--eval-humaneval-max-new-tokens >= 1")
+        if dims.pp_size > 1:
+            raise ConfigError(f"--eval-humaneval-interval needs --pipeline-model-parallel-size 1 (generation runs on "
+                              f"one stage); this run has {dims.pp_size}: evaluate its checkpoints with "
+                              f"tools/evaluate_humaneval.py after gathering them to PP 1")
+    if t.load is not None and not os.path.isdir(t.load):
+        raise ConfigError(f"--load {t.load}: no such directory")
+    return Layout(dims, t.micro_batch_size, num_microbatches, stage_layers)

@@ -1,0 +1,284 @@
+"""Megatron process-group layout: which global ranks form each TP, PP, DP, MP and embedding group.
+
+The layout is a pure function of (world size, TP size, PP size), testable with no process group:
+
+    rank = pp_rank * (dp_size * tp_size) + dp_rank * tp_size + tp_rank
+
+TP varies fastest, so a TP group is a run of contiguous ranks and sits inside one node (TP moves the
+most bytes); then DP; PP varies slowest, so pipeline stages are the groups that cross nodes first.
+
+    python -m codegeex_train.distributed.topology --world-size 16 --tensor-model-parallel-size 2 \
+        --pipeline-model-parallel-size 4 [--gpus-per-node 8] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+Groups = list[list[int]]
+
+
+class ParallelConfigError(ValueError):
+    """A parallel size that cannot work; the message names the flag and the numbers."""
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Validated parallel sizes. DP is derived: world = TP x PP x DP."""
+
+    world_size: int
+    tp_size: int = 1
+    pp_size: int = 1
+
+    def __post_init__(self) -> None:
+        for flag, value in (
+            ("--world-size", self.world_size),
+            ("--tensor-model-parallel-size", self.tp_size),
+            ("--pipeline-model-parallel-size", self.pp_size),
+        ):
+            if value < 1:
+                raise ParallelConfigError(f"{flag}={value}: must be >= 1")
+        if self.world_size % (self.tp_size * self.pp_size):
+            raise ParallelConfigError(
+                f"world size {self.world_size} is not divisible by --tensor-model-parallel-size "
+                f"{self.tp_size} x --pipeline-model-parallel-size {self.pp_size} = "
+                f"{self.tp_size * self.pp_size}: change one of them or the number of processes"
+            )
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // (self.tp_size * self.pp_size)
+
+    @property
+    def mp_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(tp_rank, dp_rank, pp_rank) of a global rank."""
+        return rank % self.tp_size, (rank // self.tp_size) % self.dp_size, rank // (self.tp_size * self.dp_size)
+
+    def rank_of(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
+        return (pp_rank * self.dp_size + dp_rank) * self.tp_size + tp_rank
+
+
+@dataclass(frozen=True)
+class RankGroups:
+    """Every group of each kind, as lists of global ranks (the same on every process)."""
+
+    tp: Groups
+    pp: Groups
+    dp: Groups
+    mp: Groups
+    embedding: Groups
+
+    def as_dict(self) -> dict[str, Groups]:
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "mp": self.mp, "embedding": self.embedding}
+
+
+def build_rank_groups(dims: ParallelDims) -> RankGroups:
+    """Megatron's layout: TP contiguous, DP strided by TP inside a stage, PP strided by a stage."""
+    tp, dp, pp = dims.tp_size, dims.dp_size, dims.pp_size
+    r = dims.rank_of
+    tp_groups = [[r(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)]
+    dp_groups = [[r(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)]
+    pp_groups = [[r(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)]
+    mp_groups = [sorted(r(t, d, p) for p in range(pp) for t in range(tp)) for d in range(dp)]
+    # The tied word embedding lives on the first and the last stage; with PP = 1 they coincide.
+    embedding_groups = [sorted({g[0], g[-1]}) for g in pp_groups]
+    return RankGroups(tp_groups, pp_groups, dp_groups, mp_groups, embedding_groups)
+
+
+def warn_if_tp_spans_nodes(dims: ParallelDims, gpus_per_node: int) -> Groups:
+    """Warn (not fail: it runs, just slowly) about TP groups whose ranks sit on several nodes."""
+    spanning = [g for g in build_rank_groups(dims).tp if len({rank // gpus_per_node for rank in g}) > 1]
+    if spanning:
+        warnings.warn(
+            f"{len(spanning)} TP group(s), e.g. {spanning[0]}, span nodes with {gpus_per_node} GPUs per node: "
+            f"tensor-parallel all-reduces would cross the network; use a --tensor-model-parallel-size "
+            f"({dims.tp_size}) that divides the GPUs per node",
+            stacklevel=2,
+        )
+    return spanning
+
+
+def _group_containing(groups: Groups, rank: int) -> list[int]:
+    return next(g for g in groups if rank in g)
+
+
+class Topology:
+    """This process's place in the layout and its torch.distributed groups; built once, passed explicitly.
+
+    Every process must build it (``new_group`` is collective over the world), after
+    ``torch.distributed.init_process_group``.
+    """
+
+    def __init__(self, dims: ParallelDims, rank: int | None = None, timeout: timedelta | None = None):
+        self.dims = dims
+        self.rank = dist.get_rank() if rank is None else rank
+        if dist.is_initialized() and dist.get_world_size() != dims.world_size:
+            raise ParallelConfigError(
+                f"torch.distributed has {dist.get_world_size()} processes but the layout expects {dims.world_size}"
+            )
+        self.tp_rank, self.dp_rank, self.pp_rank = dims.coords(self.rank)
+        self.groups = build_rank_groups(dims)
+        kw = {} if timeout is None else {"timeout": timeout}
+        # new_group is collective: every process creates every group, in the same order,
+        # and keeps the handle of the one it belongs to.
+        handles = {}
+        for kind, all_groups in self.groups.as_dict().items():
+            for ranks in all_groups:
+                handles[(kind, tuple(ranks))] = dist.new_group(ranks, **kw)
+        self._handles = handles
+        self.tp_ranks = _group_containing(self.groups.tp, self.rank)
+        self.pp_ranks = _group_containing(self.groups.pp, self.rank)
+        self.dp_ranks = _group_containing(self.groups.dp, self.rank)
+        self.mp_ranks = _group_containing(self.groups.mp, self.rank)
+        # Middle pipeline stages hold no word embedding: they are in no embedding group.
+        self.embedding_ranks = next((g for g in self.groups.embedding if self.rank in g), [])
+        self.tp_group = handles[("tp", tuple(self.tp_ranks))]
+        self.pp_group = handles[("pp", tuple(self.pp_ranks))]
+        self.dp_group = handles[("dp", tuple(self.dp_ranks))]
+        self.mp_group = handles[("mp", tuple(self.mp_ranks))]
+        self.embedding_group = handles.get(("embedding", tuple(self.embedding_ranks)))
+
+    tp_size = property(lambda self: self.dims.tp_size)
+    pp_size = property(lambda self: self.dims.pp_size)
+    dp_size = property(lambda self: self.dims.dp_size)
+    is_first_stage = property(lambda self: self.pp_rank == 0)
+    is_last_stage = property(lambda self: self.pp_rank == self.dims.pp_size - 1)
+
+    @property
+    def next_rank(self) -> int:
+        """Global rank of the next pipeline stage (wraps around, as Megatron's does)."""
+        return self.pp_ranks[(self.pp_rank + 1) % self.pp_size]
+
+    @property
+    def prev_rank(self) -> int:
+        return self.pp_ranks[(self.pp_rank - 1) % self.pp_size]
+
+    @property
+    def tp_src_rank(self) -> int:
+        """Global rank that broadcasts data to its TP group (the group's first rank)."""
+        return self.tp_ranks[0]
+
+    @property
+    def first_stage_rank(self) -> int:
+        return self.pp_ranks[0]
+
+    @property
+    def last_stage_rank(self) -> int:
+        return self.pp_ranks[-1]
+
+    @property
+    def in_embedding_group(self) -> bool:
+        return self.is_first_stage or self.is_last_stage
+
+    def named_groups(self) -> dict:
+        """This rank's groups by name (what communication accounting reports bytes under)."""
+        return {"tp": self.tp_group, "pp": self.pp_group, "dp": self.dp_group, "mp": self.mp_group,
+                "embedding": self.embedding_group}
+
+    def __repr__(self) -> str:
+        d = self.dims
+        return (
+            f"Topology(rank={self.rank}, tp={self.tp_rank}/{d.tp_size}, dp={self.dp_rank}/{d.dp_size}, "
+            f"pp={self.pp_rank}/{d.pp_size})"
+        )
+
+
+class DeepSpeedMPU:
+    """The ``mpu`` DeepSpeed expects, over a Topology.
+
+    DeepSpeed's "model parallel" is everything that is not data parallel (TP x PP): it reduces
+    gradients over ``get_data_parallel_group`` and the grad norm over ``get_model_parallel_group``.
+    """
+
+    def __init__(self, topology: Topology):
+        self.topology = topology
+
+    def get_model_parallel_group(self):
+        return self.topology.mp_group
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.topology.dims.mp_size
+
+    def get_model_parallel_rank(self) -> int:
+        return self.topology.mp_ranks.index(self.topology.rank)
+
+    def get_tensor_model_parallel_group(self):
+        return self.topology.tp_group
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return self.topology.tp_size
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        return self.topology.tp_rank
+
+    def get_data_parallel_group(self):
+        return self.topology.dp_group
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.topology.dp_size
+
+    def get_data_parallel_rank(self) -> int:
+        return self.topology.dp_rank
+
+    def get_pipeline_model_parallel_group(self):
+        return self.topology.pp_group
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return self.topology.pp_size
+
+    def get_pipeline_model_parallel_rank(self) -> int:
+        return self.topology.pp_rank
+
+    # DeepSpeed's pipeline-aware code paths ask for these spellings.
+    get_pipe_parallel_group = get_pipeline_model_parallel_group
+    get_pipe_parallel_world_size = get_pipeline_model_parallel_world_size
+    get_pipe_parallel_rank = get_pipeline_model_parallel_rank
+    get_slice_parallel_group = get_tensor_model_parallel_group
+    get_slice_parallel_world_size = get_tensor_model_parallel_world_size
+    get_slice_parallel_rank = get_tensor_model_parallel_rank
+
+
+def describe(dims: ParallelDims, gpus_per_node: int) -> str:
+    groups = build_rank_groups(dims)
+    lines = [
+        f"world {dims.world_size} = TP {dims.tp_size} x DP {dims.dp_size} x PP {dims.pp_size}, "
+        f"{gpus_per_node} GPUs per node"
+    ]
+    for kind, all_groups in groups.as_dict().items():
+        lines.append(f"{kind:>9}: " + " ".join(str(g) for g in all_groups))
+    lines.append("rank -> node, (tp, dp, pp):")
+    for rank in range(dims.world_size):
+        lines.append(f"  rank {rank:>4}: node {rank // gpus_per_node}, {dims.coords(rank)}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="Print Megatron's process groups for a world size and TP/PP sizes.")
+    p.add_argument("--world-size", type=int, required=True, help="total number of processes (GPUs)")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP size (contiguous ranks)")
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="PP size (pipeline stages)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="processes per node, to place ranks on nodes")
+    p.add_argument("--json", action="store_true", help="print one JSON object: tp, pp, dp, mp, embedding")
+    args = p.parse_args(argv)
+    try:
+        dims = ParallelDims(args.world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    except ParallelConfigError as e:
+        p.error(str(e))
+    warn_if_tp_spans_nodes(dims, args.gpus_per_node)
+    if args.json:
+        print(json.dumps(build_rank_groups(dims).as_dict()))
+    else:
+        print(describe(dims, args.gpus_per_node))
+
+
+if __name__ == "__main__":
+    main()

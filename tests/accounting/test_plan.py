@@ -1,0 +1,167 @@
+"""The layout planner (codegeex_train/accounting/planner.py): its parameter counts are a real model's, it lists
+exactly the layouts training would accept, it ranks by its estimate, and its CLI prints a table or one error line.
+No process group: TP > 1 models are built on the meta device with the group size faked."""
+
+import pytest
+import torch.distributed as dist
+
+from codegeex_train.accounting.planner import Cluster, estimate_layout, from_preset, main, rank_layouts
+from codegeex_train.accounting.theory import Workload, stage_parameters
+from codegeex_train.config.model import ModelConfig
+from codegeex_train.distributed.layout import Layout
+from codegeex_train.distributed.topology import ParallelDims
+from codegeex_train.model.codegeex import CodeGeeXModel
+from codegeex_train.model.flops import model_flops_per_iteration
+from codegeex_train.pipeline.stages import stage_layer_ranges
+
+TINY = dict(num_layers=5, hidden_size=64, num_attention_heads=4, max_position_embeddings=32, vocab_size=300)
+
+
+def _sizes(row):
+    """(TP, PP, DP, micro-batch) of a planner row."""
+    d = row.layout.dims
+    return d.tp_size, d.pp_size, d.dp_size, row.layout.micro_batch_size
+
+
+def _pipeline(pp, stage_layers=()):
+    """A layout of one DP rank over ``pp`` stages, one micro-batch of one sample."""
+    return Layout(ParallelDims(pp, pp_size=pp), 1, 1, stage_layers)
+
+
+def _stage_numel(config, tp, pp_rank, layers, monkeypatch):
+    """Parameters of one rank of one stage, counted on a real CodeGeeXModel (meta device)."""
+    group = None
+    if tp > 1:  # mappings.group_size/group_rank ask torch.distributed: answer as rank 1 of a TP group
+        group = object()
+        monkeypatch.setattr(dist, "get_world_size", lambda g=None: tp)
+        monkeypatch.setattr(dist, "get_rank", lambda g=None: 1)
+    model = CodeGeeXModel(config, group, None, pre_process=pp_rank == 0, post_process=pp_rank == len(layers) - 1,
+                          layer_numbers=layers[pp_rank], device="meta")
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (1, 2), (1, 3), (2, 1), (4, 2)])
+def test_parameter_counts_are_the_models(tp, pp, monkeypatch):
+    config = ModelConfig(**TINY)
+    row = estimate_layout(config, Cluster(world_size=tp * pp), seq_length=16, global_batch_size=4, tp=tp, pp=pp,
+                          micro_batch_size=1, checkpoint_activations=False)
+    assert sum(row.layer_counts) == 5 and len(row.layer_counts) == pp
+    w = Workload(model=config, seq_length=16, layout=row.layout)
+    counts = []
+    for i in range(pp):
+        # the split the planner chose, as training's --decoder-first/last-pipeline-num-layers would make it
+        ranges = stage_layer_ranges(5, pp, *_first_last(row))
+        counts.append(_stage_numel(config, tp, i, ranges, monkeypatch))
+        assert stage_parameters(w, i) == counts[-1], (tp, pp, i)
+    assert row.parameters == max(counts)
+
+
+def _first_last(row):
+    flags = dict(zip(row.split_flags[::2], map(int, row.split_flags[1::2])))
+    return flags.get("--decoder-first-pipeline-num-layers"), flags.get("--decoder-last-pipeline-num-layers")
+
+
+def test_uneven_splits_are_ones_training_accepts():
+    model, cluster, kw = from_preset("codegeex-13b")
+    for pp in (2, 3, 4, 6):
+        row = estimate_layout(model, cluster, tp=8, pp=pp, micro_batch_size=1, checkpoint_activations=True, **{
+            **kw, "global_batch_size": 1536 // pp})
+        assert tuple(stage_layer_ranges(39, pp, *_first_last(row))) == row.layout.stage_layers
+    # the last stage also runs the top query layer and the logits (~1.8 layers): it gets fewer layers
+    assert row.layer_counts[-1] < row.layer_counts[0]
+
+
+def test_workload_refuses_a_split_that_loses_layers():
+    config = ModelConfig(**TINY)  # 5 layers
+    even = Workload(config, 16, _pipeline(5))  # even by default, written into the layout
+    assert [even.layers_on(i) for i in range(5)] == [1] * 5 and even.layout.stage_layers[4] == range(4, 5)
+    assert Workload(config, 16, _pipeline(2, (range(0, 3), range(3, 5)))).layers_on(1) == 2
+    for pp, stage_layers in ((2, ()),  # 5 layers do not split evenly over 2
+                             (2, (range(0, 2), range(2, 4))),  # layer 4 on no stage
+                             (2, (range(0, 2), range(3, 6))),  # five layers, but layer 2 on none
+                             (3, (range(0, 3), range(3, 5)))):  # two ranges for three stages
+        with pytest.raises(ValueError, match="do not split into"):
+            Workload(config, 16, _pipeline(pp, stage_layers))
+
+
+def test_only_layouts_training_accepts_are_listed():
+    # TP must divide heads 6, ffn 192, padded vocab 300 and the 4 GPUs of a node: 1 or 2 (3 spans the node,
+    # 4 does not divide the heads); PP <= 3 layers; DP = 12 / (TP x PP); micro x DP divides the batch 12.
+    model = ModelConfig(num_layers=3, hidden_size=48, num_attention_heads=6, ffn_hidden_size=192,
+                        max_position_embeddings=32, vocab_size=300, make_vocab_size_divisible_by=4)
+    cluster = Cluster(world_size=12, gpus_per_node=4, gpu_memory_gb=80)
+    rows = rank_layouts(model, cluster, seq_length=16, global_batch_size=12)
+    got = {(*_sizes(r), r.checkpoint_activations) for r in rows}
+    expected = {(1, 1, 12, 1), (1, 2, 6, 1), (1, 2, 6, 2), (1, 3, 4, 1), (2, 1, 6, 1), (2, 1, 6, 2),
+                (2, 2, 3, 1), (2, 2, 3, 2), (2, 2, 3, 4), (2, 3, 2, 1), (2, 3, 2, 2)}
+    assert got == {(*e, ck) for e in expected for ck in (False, True)}
+    assert all(r.layout.global_batch_size == 12 for r in rows)
+    given = rank_layouts(model, cluster, seq_length=16, global_batch_size=12, micro_batch_sizes=[3])
+    assert {_sizes(r) for r in given} == {(1, 3, 4, 3), (2, 3, 2, 3)}
+    # a memory limit between the layouts: the ones above it are listed after the ranked ones, unranked
+    limit = sorted(r.memory_gb for r in rows)[len(rows) // 2]
+    capped = rank_layouts(model, Cluster(world_size=12, gpus_per_node=4, gpu_memory_gb=limit), seq_length=16,
+                          global_batch_size=12)
+    fits = [r.memory_gb <= limit for r in capped]
+    assert any(fits) and not all(fits) and fits == sorted(fits, reverse=True)
+    assert all((r.rank > 0) == r.fits == (r.memory_gb <= limit) for r in capped)
+
+
+def test_codegeex_13b_real_layout():
+    model, cluster, kw = from_preset("codegeex-13b")
+    assert 12.8e9 < stage_parameters(Workload(model, 2048, _pipeline(1)), 0) < 13.5e9  # "13 billion parameters"
+    rows = rank_layouts(model, cluster, **kw)
+    real = {r.checkpoint_activations: r for r in rows
+            if _sizes(r) == (8, 1, 192, 16)}  # CodeGeeX: micro 16, batch 3,072
+    assert set(real) == {False, True} and real[True].layout.num_microbatches == 1
+    # Without recompute, 40 layers of micro-batch 16 activations (~3.7 GiB each) cannot fit 32 GB;
+    # with it the weights (1.6 B/rank, fp16), ZeRO-2's slices over 192 ranks and the kept layer inputs do.
+    assert not real[False].fits and real[False].memory_gb > 100
+    assert real[True].fits and 15 < real[True].memory_gb < 32
+    assert real[True].rank > 0 and real[True].comm_bytes["pp"] == 0 and real[True].bubble_fraction == 0
+
+
+def test_ranked_by_estimated_step_time():
+    model, cluster, kw = from_preset("codegeex-13b")
+    rows = rank_layouts(model, cluster, **kw)
+    ranked = [r for r in rows if r.rank]
+    assert [r.rank for r in ranked] == list(range(1, len(ranked) + 1)) and len(ranked) > 10
+    times = [r.step_time for r in ranked]
+    assert times == sorted(times) and times[0] < times[-1]
+    for r in ranked:
+        assert r.step_time == pytest.approx(sum(r.time_parts.values()))
+        # the compute part is flops.py's count spread over every GPU at the assumed efficiency
+        flops = model_flops_per_iteration(model, kw["global_batch_size"], kw["seq_length"], r.checkpoint_activations)
+        assert r.time_parts["compute"] == pytest.approx(flops / (1536 * 256e12 * 0.5))
+        assert r.bubble_fraction == pytest.approx((r.layout.dims.pp_size - 1) / r.layout.num_microbatches)
+    # faster links never make a layout slower; slower ones hurt the ones that cross nodes
+    fast = {(r.layout, r.checkpoint_activations): r.step_time
+            for r in rank_layouts(model, Cluster(**{**vars(cluster), "inter_node_gbps": 800}), **kw)}
+    assert all(fast[(r.layout, r.checkpoint_activations)] <= r.step_time for r in rows)
+
+
+def test_cli_prints_the_table(capsys):
+    main(["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--vocab-size", "300",
+          "--seq-length", "32", "--max-position-embeddings", "32", "--global-batch-size", "16", "--world-size", "16",
+          "--gpus-per-node", "4", "--top", "5"])
+    lines = capsys.readouterr().out.splitlines()
+    header = lines.index(next(line for line in lines if line.split()[:4] == ["#", "TP", "PP", "DP"]))
+    table = lines[header + 1:]
+    assert len(table) == 5 and [int(line.split()[0]) for line in table] == [1, 2, 3, 4, 5]
+    assert "layouts fit" in lines[1] and "vocab 384 (padded)" in lines[0]
+
+
+@pytest.mark.parametrize("argv,names", [
+    (["--config", "codegeex-13b", "--world-size", "0"], "--world-size"),
+    (["--config", "codegeex-13b", "--tp", "8"], "--tp"),
+    (["--config", "codegeex-13b", "--num-attention-heads", "48"], "--num-attention-heads"),
+    (["--config", "codegeex-13b", "--seq-length", "4096"], "--seq-length"),
+    (["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--vocab-size", "300",
+      "--seq-length", "32", "--global-batch-size", "16"], "--world-size"),
+    (["--config", "codegeex-13b", "--efficiency", "50"], "--efficiency"),
+])
+def test_bad_flag_is_one_error_line(argv, names, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "error:" in err[0] and names in err[0], err

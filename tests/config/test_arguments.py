@@ -1,0 +1,151 @@
+"""The command line, its validation, the DeepSpeed config built from it, and the LR schedule: pure logic."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from codegeex_train.config.arguments import ConfigError, parse_args, parser, validate
+from codegeex_train.config.deepspeed import build_deepspeed_config
+from codegeex_train.training.optim import LRSchedule, parameter_groups
+
+MEGATRON_FLAGS = """--num-layers --hidden-size --num-attention-heads --ffn-hidden-size --seq-length
+--max-position-embeddings --make-vocab-size-divisible-by --tensor-model-parallel-size
+--pipeline-model-parallel-size --micro-batch-size --global-batch-size --num-microbatches --train-iters --optimizer
+--lr --learning-rate --min-lr --lr-decay-style --lr-decay-iters --lr-warmup-iters --lr-warmup-fraction
+--weight-decay --clip-grad --adam-beta1 --adam-beta2 --seed --data-path --train-data-path --valid-data-path --split
+--tokenizer-type --tokenizer-model --vocab-file --merge-file --distributed-backend --fp16 --bf16
+--checkpoint-activations --save --load --log-interval --save-interval --eval-interval --eval-iters --num-workers
+--deepspeed-config --zero-stage --wandb-project --wandb-name""".split()
+
+
+def test_every_megatron_flag_exists_with_help():
+    actions = {s: a for a in parser()._actions for s in a.option_strings}
+    for flag in MEGATRON_FLAGS:
+        assert flag in actions, flag
+        assert actions[flag].help and len(actions[flag].help) > 10, flag
+
+
+def test_help_runs():
+    out = subprocess.run([sys.executable, "-m", "codegeex_train.pretrain", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "--tensor-model-parallel-size" in out.stdout
+
+
+def args_for(*argv):
+    return parse_args(["--data-path", "x", *argv])
+
+
+def test_batch_arithmetic_is_derived_once():
+    layout = validate(args_for("--micro-batch-size", "2", "--global-batch-size", "32",
+                             "--tensor-model-parallel-size", "2"), world_size=8)
+    assert (layout.dims.dp_size, layout.num_microbatches, layout.global_batch_size) == (4, 4, 32)
+    default = validate(args_for("--micro-batch-size", "3"), world_size=2)
+    assert default.global_batch_size == 6 and default.num_microbatches == 1
+    # --learning-rate is Megatron's alias of --lr: both set the same field, to a value that is not the default.
+    assert args_for().optim.lr != 0.5
+    assert args_for("--learning-rate", "0.5").optim.lr == args_for("--lr", "0.5").optim.lr == 0.5
+
+
+@pytest.mark.parametrize("argv,world,message", [
+    (["--micro-batch-size", "4", "--global-batch-size", "10"], 2, "not divisible by --micro-batch-size 4"),
+    (["--global-batch-size", "16", "--micro-batch-size", "4", "--num-microbatches", "3"], 2, "--num-microbatches 3"),
+    (["--tensor-model-parallel-size", "3"], 4, "world size 4"),
+    (["--num-attention-heads", "6", "--hidden-size", "60", "--tensor-model-parallel-size", "4"], 4,
+     "--num-attention-heads 6"),
+    (["--seq-length", "2048", "--max-position-embeddings", "1024"], 1, "--max-position-embeddings 1024"),
+    (["--num-layers", "3", "--pipeline-model-parallel-size", "2"], 2, "--num-layers 3"),
+    (["--fp16", "--bf16"], 1, "--fp16 and --bf16"),
+    (["--lr-warmup-iters", "5", "--lr-warmup-fraction", "0.1"], 1, "--lr-warmup-fraction"),
+])
+def test_invalid_combinations(argv, world, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(args_for(*argv), world)
+
+
+def test_deepspeed_config_flows_from_flags():
+    # Every value below differs from its default (micro-batch 4, clip 1.0, fp32, ZeRO stage 2), so each
+    # assert sees the flag's value arrive rather than a default.
+    args = args_for("--micro-batch-size", "2", "--global-batch-size", "16", "--clip-grad", "0.5", "--bf16",
+                    "--zero-stage", "1")
+    layout = validate(args, 4)
+    cfg = build_deepspeed_config(args, layout, {"zero_optimization": {"reduce_bucket_size": 1000}})
+    assert cfg["train_batch_size"] == 16 and cfg["train_micro_batch_size_per_gpu"] == 2
+    assert cfg["gradient_accumulation_steps"] == 2 and cfg["gradient_clipping"] == 0.5
+    assert cfg["bf16"]["enabled"] is True and cfg["fp16"]["enabled"] is False
+    assert cfg["zero_optimization"] == {"reduce_bucket_size": 1000, "stage": 1, "contiguous_gradients": True,
+                                        "overlap_comm": False}
+    fp16 = args_for("--fp16")
+    assert build_deepspeed_config(fp16, validate(fp16, 1))["fp16"]["loss_scale"] == 0  # dynamic
+
+
+@pytest.mark.parametrize("user,message", [
+    ({"train_batch_size": 64}, "train_batch_size = 64 but --global-batch-size gives 8"),
+    ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage = 3 but --zero-stage gives 2"),
+    ({"fp16": {"enabled": True}}, "fp16.enabled = True but --fp16 gives False"),
+    ({"optimizer": {"type": "Adam"}}, "'optimizer' section"),
+])
+def test_deepspeed_json_contradictions_name_both(user, message):
+    args = args_for("--micro-batch-size", "4", "--global-batch-size", "8")
+    with pytest.raises(ConfigError, match=message):
+        build_deepspeed_config(args, validate(args, 2), user)
+
+
+@pytest.mark.parametrize("name,precision", [("cpu_fp32_zero2", []), ("gpu_bf16_zero2", ["--bf16"]),
+                                            ("gpu_fp16_zero2", ["--fp16"])])
+def test_shipped_deepspeed_configs_are_consistent(name, precision):
+    with open(f"ds_configs/{name}.json") as f:
+        user = json.load(f)
+    # Non-default flags (clip 1.0, micro-batch 4 and no accumulation by default) must reach the config beside the
+    # file's own settings, which must survive untouched.
+    args = args_for(*precision, "--clip-grad", "0.25", "--micro-batch-size", "2", "--global-batch-size", "8")
+    cfg = build_deepspeed_config(args, validate(args, 2), user)
+    assert cfg["gradient_clipping"] == 0.25 and cfg["gradient_accumulation_steps"] == 2
+    assert cfg["train_micro_batch_size_per_gpu"] == 2 and cfg["train_batch_size"] == 8
+    assert cfg["zero_optimization"] == user["zero_optimization"]  # the file's settings, untouched
+    if precision:  # a GPU config used without its precision flag is a contradiction, not a silent switch
+        plain = args_for()
+        with pytest.raises(ConfigError, match=precision[0]):
+            build_deepspeed_config(plain, validate(plain, 1), user)
+
+
+def _schedule(**kw):
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    args = args_for(*[x for k, v in kw.items() for x in (f"--{k.replace('_', '-')}", str(v))])
+    return LRSchedule(opt, args.optim, train_iters=args.train.train_iters), opt
+
+
+def test_lr_schedule_warmup_then_cosine_and_linear():
+    s, opt = _schedule(lr=1.0, min_lr=0.1, lr_warmup_iters=4, lr_decay_iters=14)
+    assert opt.param_groups[0]["lr"] == 0.0  # Megatron: step 0 of a warm-up has lr 0
+    assert [s.lr_at(i) for i in (1, 2, 4)] == [0.25, 0.5, 1.0]
+    assert s.lr_at(9) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert s.lr_at(14) == s.lr_at(100) == pytest.approx(0.1)
+    lin, _ = _schedule(lr=1.0, min_lr=0.0, lr_decay_style="linear", lr_warmup_fraction=0.2, lr_decay_iters=10)
+    assert lin.warmup_iters == 2 and lin.lr_at(6) == pytest.approx(0.5)
+    s.step(5)
+    assert opt.param_groups[0]["lr"] == pytest.approx(s.lr_at(5))
+    restored, opt2 = _schedule(lr=1.0, min_lr=0.1, lr_warmup_iters=4, lr_decay_iters=14)
+    restored.load_state_dict(s.state_dict())
+    assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+
+
+def test_no_weight_decay_for_biases_and_norms():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    decay, no_decay = parameter_groups(model, 0.1)
+    assert decay["weight_decay"] == 0.1 and [p.shape for p in decay["params"]] == [(4, 4)]
+    assert no_decay["weight_decay"] == 0.0 and len(no_decay["params"]) == 3
+
+
+def test_fewer_microbatches_than_stages_warns():
+    args = args_for("--num-layers", "4", "--pipeline-model-parallel-size", "4", "--micro-batch-size", "2",
+                    "--global-batch-size", "4")
+    with pytest.warns(UserWarning, match=r"2 micro-batch\(es\) per step for 4 pipeline stages.*60%"):
+        layout = validate(args, 4)
+    assert layout.num_microbatches == 2
+    assert layout.stage_layers == (range(0, 1), range(1, 2), range(2, 3), range(3, 4))
+    args = args_for("--num-layers", "5", "--pipeline-model-parallel-size", "2", "--decoder-last-pipeline-num-layers", "2",
+                    "--global-batch-size", "16", "--micro-batch-size", "4")
+    assert validate(args, 2).stage_layers == (range(0, 3), range(3, 5))
