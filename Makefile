@@ -7,7 +7,8 @@ PY := $(VENV)/bin/python
 # DeepSpeed JIT-builds a CPU comm op on first use; keep the build per checkout so two
 # environments never rebuild each other's copy.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
-export DS_ACCELERATOR ?= cpu
+# No DS_ACCELERATOR here: DeepSpeed picks the device (CUDA on a GPU machine). The CPU branch of
+# scripts/pretrain_codegen.sh and tests/conftest.py (every test and the ranks it spawns) set cpu themselves.
 
 .PHONY: env cluster-deps lint test test-fast pretrain bench clean
 
@@ -31,14 +32,24 @@ $(VENV)/.installed: $(VENV)/.installed-base
 	touch $@
 
 # tests/cluster launches `deepspeed --hostfile` through pdsh and ssh to two loopback "hosts": it needs pdsh
-# and sshd. Installed (apt) only when one is missing; sudo when not root.
+# and sshd. Installed with apt-get (sudo when not root) only when one is missing, saying so first.
+# CLUSTER_DEPS=skip (e.g. `make test CLUSTER_DEPS=skip`) installs nothing: those tests then skip.
 cluster-deps:
-	@if ! command -v pdsh >/dev/null 2>&1 || ! test -x /usr/sbin/sshd; then \
-		SUDO=; if [ "$$(id -u)" != 0 ] && command -v sudo >/dev/null 2>&1; then SUDO=sudo; fi; \
-		echo "cluster-deps: installing pdsh openssh-server"; \
-		$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
-		$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pdsh openssh-server; \
-	fi
+	@missing=$$(command -v pdsh >/dev/null 2>&1 || printf 'pdsh '; \
+		{ command -v sshd || test -x /usr/sbin/sshd || test -x /usr/local/sbin/sshd; } >/dev/null 2>&1 || printf 'sshd '); \
+	missing=$${missing% }; if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$CLUSTER_DEPS" = skip ]; then \
+		echo "cluster-deps: CLUSTER_DEPS=skip: not installing $$missing; the tests/cluster tests that need it skip"; exit 0; \
+	fi; \
+	if ! command -v apt-get >/dev/null 2>&1; then \
+		echo "cluster-deps: $$missing missing and no apt-get: install pdsh and openssh-server, or CLUSTER_DEPS=skip" >&2; \
+		exit 1; \
+	fi; \
+	SUDO=; if [ "$$(id -u)" != 0 ] && command -v sudo >/dev/null 2>&1; then SUDO=sudo; fi; \
+	echo "cluster-deps: $$missing missing: installing pdsh openssh-server with $${SUDO:+sudo }apt-get for tests/cluster" \
+		"(deepspeed --hostfile over pdsh and ssh to two loopback hosts); CLUSTER_DEPS=skip skips those tests instead"; \
+	$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+	$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pdsh openssh-server
 
 # The import layers (.importlinter): nothing imports a package above its own, no cycles.
 lint: env

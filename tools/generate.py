@@ -11,8 +11,10 @@
     # interactive: with neither --prompt nor --prompt-file, prompts are read from stdin
     python tools/generate.py --load CKPT
 
-Pass the tokenizer flags training used (--tokenizer-type/--tokenizer-model/--vocab-file/--merge-file/
---whitespace-encoding; none: the shipped default tokenizer). In --prompt and --stop, \\n, \\t and \\\\ stand for a
+The tokenizer is the one the checkpoint records (training checkpoints record their tokenizer flags, file paths
+absolute); any tokenizer flag given (--tokenizer-type/--tokenizer-model/--vocab-file/--merge-file/
+--whitespace-encoding) replaces it; a checkpoint that records none (e.g. converted) gets the flags or, with none,
+the shipped default tokenizer. One line on stderr says which. In --prompt and --stop, \\n, \\t and \\\\ stand for a
 newline, a tab and a backslash; --prompt-file is read verbatim. Completions are cut before the first stop string;
 CodeGeeX's whitespace tokens come out as spaces. All TP ranks emit the same tokens (the TP group's first rank
 samples and broadcasts; see codegeex_train/generation/generator.py); rank 0 prints and writes.
@@ -36,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from codegeex_train.checkpoint.files import CheckpointError
+from codegeex_train.checkpoint.files import TOKENIZER_FIELDS, CheckpointError, checkpoint_tokenizer
 from codegeex_train.config.arguments import ConfigError, DataConfig, ParallelConfig
 from codegeex_train.config.model import ModelConfig
 from codegeex_train.data.tokenizer import TokenizerError, load_tokenizer
@@ -46,7 +48,6 @@ from codegeex_train.generation import Generator, SamplingParams
 from codegeex_train.generation.generator import check_checkpoint_layout
 
 PROG = "generate.py"
-TOKENIZER_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "whitespace_encoding")
 PARALLEL_FIELDS = ("tensor_model_parallel_size", "distributed_backend", "distributed_timeout_minutes")
 END_OF_PROMPT = "."  # interactive mode: a line holding only this ends a prompt
 _ESCAPE = re.compile(r"\\([nt\\])")
@@ -104,7 +105,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     precision = m.add_mutually_exclusive_group()
     precision.add_argument("--bf16", action="store_true", help="weights and cache in bf16 (default fp32)")
     precision.add_argument("--fp16", action="store_true", help="weights and cache in fp16")
-    _add_fields(p, DataConfig, TOKENIZER_FIELDS, "tokenizer (the flags training used)")
+    _add_fields(p, DataConfig, TOKENIZER_FIELDS, "tokenizer (default: the one the checkpoint records; any of these "
+                "replaces it)")
     _add_fields(p, ParallelConfig, PARALLEL_FIELDS, "parallelism")
     args = p.parse_args(argv)
     if args.batch_size < 1:
@@ -159,7 +161,8 @@ def check_prompt(tokenizer, config: ModelConfig, prompt: str, where: str) -> Non
 
 
 def prepare(args: argparse.Namespace, world_size: int):
-    """Everything checkable before any process group: sampling flags, layout, tokenizer, checkpoint, prompts."""
+    """Everything checkable before any process group: sampling flags, layout, tokenizer, checkpoint, prompts.
+    Returns (sampling params, tokenizer, model config, records or None, the line saying which tokenizer)."""
     try:
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, seed=args.seed, stop=tuple(unescape(s) for s in args.stop))
@@ -169,8 +172,9 @@ def prepare(args: argparse.Namespace, world_size: int):
     if tp != world_size:
         raise GenerateError(f"--tensor-model-parallel-size {tp} with {world_size} process(es): generation runs one TP "
                             f"group, so launch {tp} processes (torchrun --nproc_per_node {tp})")
-    tokenizer = load_tokenizer(DataConfig(**{name: getattr(args, name) for name in TOKENIZER_FIELDS}))
     _, meta = check_checkpoint_layout(args.load, tp)
+    settings, which = checkpoint_tokenizer(args.load, meta, {name: getattr(args, name) for name in TOKENIZER_FIELDS})
+    tokenizer = load_tokenizer(DataConfig(**settings))
     config = ModelConfig(**meta["model_config"])
     if tokenizer.vocab_size > config.padded_vocab_size:
         raise GenerateError(f"the tokenizer has {tokenizer.vocab_size} ids, more than the {config.padded_vocab_size} "
@@ -183,7 +187,7 @@ def prepare(args: argparse.Namespace, world_size: int):
         records = read_prompt_file(args.prompt_file)
         for i, record in enumerate(records):
             check_prompt(tokenizer, config, record["prompt"], f"--prompt-file {args.prompt_file} prompt {i + 1}")
-    return params, tokenizer, config, records
+    return params, tokenizer, config, records, which
 
 
 def init_group(args: argparse.Namespace, world_size: int) -> tuple[object, torch.device]:
@@ -291,10 +295,12 @@ def main(argv: list[str] | None = None) -> None:
         warnings.simplefilter("ignore")  # every rank would repeat rank 0's warnings
     args = parse_args(argv)
     try:  # the same on every rank: rank 0 reports
-        params, tokenizer, config, records = prepare(args, world_size)
+        params, tokenizer, config, records, which_tokenizer = prepare(args, world_size)
         sink = Sink(args.output, rank)
     except (GenerateError, ConfigError, TokenizerError, CheckpointError, OSError) as e:
         fail(str(e), rank)
+    if rank == 0:
+        print(which_tokenizer, file=sys.stderr, flush=True)
     owns_group = world_size > 1 and not dist.is_initialized()
     try:
         tp_group, device = init_group(args, world_size)

@@ -1,6 +1,9 @@
 """Tokenize a corpus into Megatron indexed datasets: PREFIX_{key}_document.bin/.idx.
 
-Flags are Megatron-LM's (tools/preprocess_data.py), so existing scripts keep working.
+Flags are Megatron-LM's (tools/preprocess_data.py), so existing scripts keep working: --tokenizer-type
+HuggingFaceTokenizer is our HFTokenizer, --partitions, --keep-newlines and --keep-sequential-samples are accepted
+(documents are read in order and tokenized whole, newlines included), --split-sentences is refused (it needs nltk;
+code has no sentences). docs/megatron-flags.md has the whole table.
 
 The embedded demo corpus (this Python's stdlib .py files) with the shipped tokenizer:
 
@@ -15,13 +18,15 @@ JSON lines (field "content") with a GPT-2 BPE vocabulary:
 
 Train with --data-path data/stdlib_text_document.
 
-Bad input (a missing file, a malformed JSON line, an unreadable tokenizer, a bad flag value) ends with one
-`preprocess_data.py: error: ...` line and a non-zero exit.
+Bad input (a missing file, a malformed JSON line, an unreadable tokenizer, a bad flag value, an unknown flag) ends
+with one `preprocess_data.py: error: ...` line and a non-zero exit.
 """
 
 import argparse
 import sys
 
+from codegeex_train.config.megatron_flags import ORIGIN, PREPROCESS_DATA, SEE
+from codegeex_train.config.options import FlagParser, add_foreign_flags
 from codegeex_train.data.corpus import CorpusError
 from codegeex_train.data.indexed_dataset import IndexedDatasetError
 from codegeex_train.data.preprocess import DEFAULT_INPUT, TokenizerSpec, preprocess
@@ -29,9 +34,9 @@ from codegeex_train.data.tokenizer import DEFAULT_TOKENIZER_PATH, TOKENIZER_TYPE
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = FlagParser(description=__doc__, error_prefix="preprocess_data.py: ",
+                        usage="python tools/preprocess_data.py --input FILE|DIR|default --output-prefix PREFIX "
+                        "[FLAGS]")
     data = parser.add_argument_group("input data")
     data.add_argument("--input", nargs="+", default=[DEFAULT_INPUT],
                       help="files (.jsonl[.gz], .parquet, .txt, source) or directories; "
@@ -63,11 +68,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     run.add_argument("--workers", type=int, default=1, help="tokenizer processes")
     run.add_argument("--log-interval", type=int, default=100,
                      help="documents between throughput updates of the progress bar")
+    add_foreign_flags(parser, PREPROCESS_DATA, ORIGIN, SEE)
     args = parser.parse_args(argv)
     for flag in ("--workers", "--log-interval"):
         value = getattr(args, flag[2:].replace("-", "_"))
         if value < 1:
             parser.error(f"{flag} {value}: must be >= 1")
+    partitions = getattr(args, "ignored --partitions", None)
+    if partitions not in (None, "1"):
+        print(f"preprocess_data.py: note: --partitions {partitions} ({ORIGIN}) has no effect: one reader feeds "
+              f"--workers {args.workers} tokenizer processes (raise --workers for speed); the output is the same",
+              file=sys.stderr)
     return args
 
 

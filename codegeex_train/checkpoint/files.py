@@ -3,7 +3,12 @@
     DIR/latest                                  text: the tag, e.g. iter_0000000 or global_step1000
     DIR/<tag>/mp_rank_{MP:02d}_model_states.pt  MP = pp_rank * tp_size + tp_rank
         {"module": that rank's state_dict,
-         "codegeex_train": {"model_config": asdict(config), "tp_size", "pp_size", "iteration"}}
+         "codegeex_train": {"model_config": asdict(config), "tp_size", "pp_size", "iteration",
+                            "tokenizer": the five tokenizer flags, file paths absolute (optional)}}
+
+``tokenizer`` (``tokenizer_settings``) is written by training checkpoints (and copied into universal ones); model
+files converted from elsewhere may lack it. ``checkpoint_tokenizer`` picks what a tool uses: its own tokenizer flags
+when any is given, else the checkpoint's, else the shipped default.
 
 ``latest`` is written last and atomically (temp file + os.replace): a crash mid-save leaves the previous
 ``latest`` pointing at the previous, complete tag. Every file is read with weights-only unpickling
@@ -29,6 +34,10 @@ SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_
                 "padded_vocab_size", "top_query_layer")
 # Fields that change the function but not the shapes: a mismatch only warns (e.g. fine-tuning choices).
 FUNCTION_FIELDS = ("activation", "layernorm_epsilon")
+# DataConfig's tokenizer flags, as a checkpoint records them; the file ones with the flag that names them.
+TOKENIZER_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "whitespace_encoding")
+TOKENIZER_FILE_FLAGS = {"tokenizer_model": "--tokenizer-model", "vocab_file": "--vocab-file",
+                        "merge_file": "--merge-file"}
 
 
 def checkpoint_tag(iteration: int) -> str:
@@ -56,12 +65,62 @@ def read_latest(directory: str | os.PathLike) -> str:
     return tag
 
 
+def tokenizer_settings(flags) -> dict:
+    """What a checkpoint records of the tokenizer: the five tokenizer fields of ``flags`` (a ``DataConfig`` or
+    anything with them), file paths made absolute (against the current directory) so that tools run elsewhere
+    find them."""
+    settings = {name: getattr(flags, name) for name in TOKENIZER_FIELDS}
+    for name in TOKENIZER_FILE_FLAGS:
+        if settings[name] is not None:
+            settings[name] = os.path.abspath(settings[name])
+    return settings
+
+
+def describe_tokenizer(settings: dict) -> str:
+    """``settings`` in a few words, e.g. 'HFTokenizer /data/tok.json' or 'the shipped default'."""
+    if settings.get("tokenizer_type") is None:
+        return "the shipped default (with whitespace encoding)"
+    files = [settings[name] for name in TOKENIZER_FILE_FLAGS if settings.get(name)]
+    return " ".join([settings["tokenizer_type"], *files]) + (
+        ", whitespace encoding" if settings.get("whitespace_encoding") else "")
+
+
+def checkpoint_tokenizer(directory: str | os.PathLike, meta: dict, flags: dict) -> tuple[dict, str]:
+    """(settings, a line saying which tokenizer and why) for a tool that loads checkpoint ``directory`` (``meta``:
+    its metadata): the tokenizer flags ``flags`` when any of them is given (set, not the default), else those the
+    checkpoint records, else the shipped default. A recorded file that no longer exists raises CheckpointError
+    naming the file and the flag to pass instead."""
+    given = {name: flags.get(name) for name in TOKENIZER_FIELDS}
+    if any(given.values()):
+        return given, f"tokenizer: {describe_tokenizer(given)} (from the command line)"
+    saved = meta.get("tokenizer")
+    if not isinstance(saved, dict):
+        return given, (f"tokenizer: {describe_tokenizer(given)} (checkpoint {directory} records no tokenizer; "
+                       f"pass the tokenizer flags training used if it was another)")
+    saved = {name: saved.get(name) for name in TOKENIZER_FIELDS}
+    missing = [name for name in TOKENIZER_FILE_FLAGS if saved[name] is not None and not os.path.exists(saved[name])]
+    if missing:  # the flags to pass instead: the recorded ones, a placeholder for each missing file
+        flags_to_pass = [f"--tokenizer-type {saved['tokenizer_type']}"] + [
+            f"{flag} {name.upper() if name in missing else saved[name]}"
+            for name, flag in TOKENIZER_FILE_FLAGS.items() if saved[name] is not None] + (
+            ["--whitespace-encoding"] if saved["whitespace_encoding"] else [])
+        gone = " and ".join(f"{saved[name]} ({TOKENIZER_FILE_FLAGS[name]})" for name in missing)
+        raise CheckpointError(f"checkpoint {directory} records the tokenizer file {gone}, which no longer exists: "
+                              f"pass {' '.join(flags_to_pass)} with {' and '.join(n.upper() for n in missing)} a copy "
+                              f"of it")
+    return saved, f"tokenizer: {describe_tokenizer(saved)} (recorded in checkpoint {directory})"
+
+
 def save_model_checkpoint(directory: str | os.PathLike, shard_sds: list[dict], config: ModelConfig, tp_size: int,
-                          *, pp_size: int = 1, tag: str = "iter_0000000", iteration: int = 0) -> Path:
-    """Write one file per model-parallel rank (``shard_sds`` in MP order), then ``latest``."""
+                          *, pp_size: int = 1, tag: str = "iter_0000000", iteration: int = 0,
+                          tokenizer: dict | None = None) -> Path:
+    """Write one file per model-parallel rank (``shard_sds`` in MP order), then ``latest``; ``tokenizer``: the
+    settings to record (``tokenizer_settings``), if known."""
     if len(shard_sds) != tp_size * pp_size:
         raise ValueError(f"{len(shard_sds)} shards for TP {tp_size} x PP {pp_size}")
     meta = {"model_config": dataclasses.asdict(config), "tp_size": tp_size, "pp_size": pp_size, "iteration": iteration}
+    if tokenizer is not None:
+        meta["tokenizer"] = tokenizer
     for mp_rank, sd in enumerate(shard_sds):
         path = shard_file(directory, tag, mp_rank % tp_size, tp_size, mp_rank // tp_size)
         path.parent.mkdir(parents=True, exist_ok=True)

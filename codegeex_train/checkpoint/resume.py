@@ -8,10 +8,24 @@ A ``--load`` directory holds one of three kinds of checkpoint (``ResumeKind``):
 * UNIVERSAL: layout-free (``checkpoint/universal.py``): weights and Adam moments split for this layout;
 * WEIGHTS: model weights only (converted from Hugging Face or CodeGeeX, or re-sharded): the training state
   starts afresh.
+
+What is restored from it (``preflight_load`` reads the flags), as Megatron-LM's flags mean:
+
+* ``--finetune``: the model weights only, of any kind; the iteration, consumed samples, optimizer and LR schedule
+  start afresh and the RNG streams from --seed. The weights go into the model before the engine is built, so
+  ZeRO's fp32 masters are built from them. A relaunch of the same command resumes instead: when --save already
+  holds a checkpoint, that one is restored in full and --load is ignored (rank 0 prints one line saying so);
+* ``--no-load-optim``: everything but the optimizer state (Adam's moments and step start afresh): the iteration,
+  consumed samples and LR schedule continue (as under Megatron-DeepSpeed; Megatron-LM's own ``torch`` checkpoints
+  also leave the LR schedule fresh here, because it is stored with the optimizer). ZeRO's fp32 master partitions
+  are rebuilt from the loaded weights (see ``training.load_checkpoint``). A training checkpoint saved at another DP
+  size loads too (the DP size only cuts the optimizer files);
+* ``--no-load-rng``: everything but the RNG streams, which start from --seed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import os
 from dataclasses import dataclass
@@ -35,7 +49,7 @@ from codegeex_train.checkpoint.universal import (
     load_universal_weights,
     read_universal_meta,
 )
-from codegeex_train.config.arguments import ConfigError
+from codegeex_train.config.arguments import ConfigError, TrainConfig
 from codegeex_train.config.model import ModelConfig
 from codegeex_train.distributed.topology import ParallelDims, Topology
 from codegeex_train.pipeline import sync_shared_embedding
@@ -50,12 +64,17 @@ class ResumeKind(enum.Enum):
 
 @dataclass(frozen=True)
 class Resume:
-    """A checked ``--load``: its directory, the tag ``latest`` names, what kind it is, its metadata."""
+    """A checked ``--load``: its directory, the tag ``latest`` names, what kind it is, its metadata; and what of it
+    to restore."""
 
     load_dir: str
     tag: str
     kind: ResumeKind
     meta: dict
+    finetune: bool = False  # --finetune: the model weights only; counters, optimizer, LR schedule, RNG afresh
+    load_optim: bool = True  # False: --no-load-optim
+    load_rng: bool = True  # False: --no-load-rng
+    note: str | None = None  # printed once (rank 0) when restoring, e.g. why --save is resumed instead of --load
 
 
 _TO_UNIVERSAL = ("to resume at another layout, convert it first: python tools/convert_checkpoint.py --load {d} "
@@ -75,23 +94,26 @@ def _saved_dp_size(load_dir: str, tag: str) -> int:
                for name in os.listdir(os.path.join(load_dir, tag)))
 
 
-def preflight_resume(load_dir: str, config: ModelConfig, dims: ParallelDims) -> Resume:
+def preflight_resume(load_dir: str, config: ModelConfig, dims: ParallelDims, *, finetune: bool = False,
+                     load_optim: bool = True, load_rng: bool = True) -> Resume:
     """Check ``--load`` before any process group: a complete checkpoint of this model shape, saved at this
-    run's TP / PP / DP sizes, or a universal one (any layout), or model weights at this TP / PP size."""
+    run's TP / PP / DP sizes, or a universal one (any layout), or model weights at this TP / PP size. The DP size
+    matters only when the ZeRO optimizer partitions are loaded (not under ``finetune`` or without ``load_optim``)."""
+    flags = {"finetune": finetune, "load_optim": load_optim, "load_rng": load_rng}
     try:
         tag = read_latest(load_dir)
         verify_checkpoint_dir(load_dir, tag)  # weights-only, before DeepSpeed unpickles any of its files
         if is_universal(load_dir, tag):
             meta = read_universal_meta(load_dir, tag)
             _check_same_model(load_dir, tag, meta, config)
-            return Resume(load_dir, tag, ResumeKind.UNIVERSAL, meta)
+            return Resume(load_dir, tag, ResumeKind.UNIVERSAL, meta, **flags)
         tag, meta = read_checkpoint_meta(load_dir)
     except CheckpointError as e:
         raise ConfigError(f"--load {load_dir}: {e}") from None
     _check_same_model(load_dir, tag, meta, config)
     kind = ResumeKind.TRAINING if has_optimizer_states(load_dir, tag) else ResumeKind.WEIGHTS
     saved = {"TP": meta["tp_size"], "PP": meta["pp_size"]}
-    if kind is ResumeKind.TRAINING:
+    if kind is ResumeKind.TRAINING and load_optim and not finetune:
         saved["DP"] = _saved_dp_size(load_dir, tag)
     ours = {"TP": dims.tp_size, "PP": dims.pp_size, "DP": dims.dp_size}
     diff = [k for k in saved if saved[k] != ours[k]]
@@ -100,7 +122,33 @@ def preflight_resume(load_dir: str, config: ModelConfig, dims: ParallelDims) -> 
         hint = _TO_UNIVERSAL.format(d=load_dir) if "DP" in saved else (
             "tools/convert_checkpoint.py re-shards these model weights to another TP and PP size")
         raise ConfigError(f"--load {load_dir} ({tag}) was saved at another parallel layout: {layout}; {hint}")
-    return Resume(load_dir, tag, kind, meta)
+    return Resume(load_dir, tag, kind, meta, **flags)
+
+
+def preflight_load(train: TrainConfig, config: ModelConfig, dims: ParallelDims) -> Resume | None:
+    """What this run starts from, checked before any process group: None (a fresh start), or ``--load`` with
+    what to restore of it (--finetune, --no-load-optim, --no-load-rng); under --finetune, --save instead when it
+    already holds a checkpoint (a relaunch). Nonsense combinations raise ConfigError naming the flags."""
+    t = train
+    if t.load is None:
+        if t.finetune or t.no_load_optim or t.no_load_rng:
+            given = " ".join(flag for flag, on in (("--finetune", t.finetune), ("--no-load-optim", t.no_load_optim),
+                                                   ("--no-load-rng", t.no_load_rng)) if on)
+            raise ConfigError(f"{given} without --load: they say what to take from the checkpoint --load names; pass "
+                              f"--load CHECKPOINT_DIR (for --finetune: a training, universal or weights-only one), or "
+                              f"drop {given} for a run from scratch")
+        return None
+    if t.finetune and t.save is not None:
+        if os.path.abspath(t.save) == os.path.abspath(t.load):
+            raise ConfigError(f"--finetune with --save {t.save} equal to --load: a relaunch resumes from --save, so "
+                              f"this run could never start from --load's weights; save to another directory")
+        if os.path.isfile(os.path.join(t.save, "latest")):  # a relaunch: continue this run, in full
+            resume = preflight_resume(t.save, config, dims)
+            return dataclasses.replace(resume, note=(
+                f"--finetune: --save {t.save} already holds a checkpoint ({resume.tag}); resuming from it instead "
+                f"of starting over from --load {t.load} (empty --save to start the fine-tuning afresh)"))
+    return preflight_resume(t.load, config, dims, finetune=t.finetune, load_optim=not t.no_load_optim,
+                            load_rng=not t.no_load_rng)
 
 
 def restore(resume: Resume | None, model: torch.nn.Module, topology: Topology, tracker: RNGStatesTracker,
@@ -111,19 +159,28 @@ def restore(resume: Resume | None, model: torch.nn.Module, topology: Topology, t
     Weights that come without a ZeRO optimizer (universal, weights-only) go into the model before the engine is
     built, so that ZeRO builds its fp32 master copies from them, exactly; a training checkpoint is loaded into
     the built engine. Last, the tied output layer (last stage) takes the first stage's word embedding, in the
-    model and in its fp32 master copy."""
+    model and in its fp32 master copy.
+
+    Under ``resume.finetune`` a training checkpoint's model files go into the model before the engine is built too,
+    and nothing else is restored: a fresh optimizer, LR schedule and TrainState, the RNG streams as seeded."""
     kind = resume.kind if resume is not None else None
+    if resume is not None and resume.note and topology.rank == 0:
+        print(resume.note, flush=True)
+    finetune = resume is not None and resume.finetune
     if kind is ResumeKind.UNIVERSAL:
         load_universal_weights(model, resume.load_dir, resume.tag, pp_rank=topology.pp_rank,
                                stage_layers=stage_layers)
-    elif kind is ResumeKind.WEIGHTS:
+    elif kind is ResumeKind.WEIGHTS or (kind is ResumeKind.TRAINING and finetune):
         load_model_checkpoint(resume.load_dir, model, pp_size=topology.pp_size, pp_rank=topology.pp_rank)
     engine = build_engine(model)
-    if kind is ResumeKind.UNIVERSAL:
+    if finetune:
+        state = TrainState()
+    elif kind is ResumeKind.UNIVERSAL:
         state = load_universal_training_state(engine, resume.load_dir, resume.tag, pp_rank=topology.pp_rank,
-                                              stage_layers=stage_layers)
+                                              stage_layers=stage_layers, load_optimizer_states=resume.load_optim)
     elif kind is ResumeKind.TRAINING:
-        state = load_checkpoint(engine, resume.load_dir, resume.tag, tracker)
+        state = load_checkpoint(engine, resume.load_dir, resume.tag, tracker, load_optimizer_states=resume.load_optim,
+                                load_rng=resume.load_rng)
     else:
         state = TrainState()
     sync_shared_embedding(engine.module, topology)

@@ -14,11 +14,12 @@ files, each a slice of one flat buffer per parameter group). ``to_universal`` un
 
 The result, in ``<dir>/<tag>/``: ``fp32.safetensors``, ``exp_avg.safetensors``, ``exp_avg_sq.safetensors``
 (full tensors under the TP = PP = 1 model's names) and ``universal.json`` (model config, Adam's step count,
-the LR schedule, iteration, consumed samples, the source layout). Resuming from it (``--load`` detects it):
-weights are split for this run's layout and loaded before ``deepspeed.initialize`` (so ZeRO builds its fp32
-masters from them, exactly), then each parameter's moments are written into its ZeRO partition with
-``safe_set_full_optimizer_state``, Adam's step count into every parameter group, and the LR schedule and
-counters restored. Random-number streams start afresh from ``--seed``: dropout masks depend on the layout.
+the LR schedule, iteration, consumed samples, the source layout, the tokenizer settings when the source records
+them). Resuming from it (``--load`` detects it): weights are split for this run's layout and loaded before
+``deepspeed.initialize`` (so ZeRO builds its fp32 masters from them, exactly), then each parameter's moments are
+written into its ZeRO partition with ``safe_set_full_optimizer_state``, Adam's step count into every parameter
+group, and the LR schedule and counters restored. Random-number streams start afresh from ``--seed``: dropout masks
+depend on the layout.
 
 Hyper-parameters (betas, weight decay, clipping) come from the resuming run's flags, as do batch sizes; the
 global batch size must stay the same for the data order and LR schedule to continue exactly.
@@ -138,6 +139,8 @@ def to_universal(load_dir: str | os.PathLike, save_dir: str | os.PathLike) -> st
         "global_steps": model_file["global_steps"], "global_samples": model_file["global_samples"],
         "skipped_steps": model_file["skipped_steps"], "source_layout": {"tp": tp, "pp": pp, "dp": dp},
     }
+    if "tokenizer" in meta:
+        universal["tokenizer"] = meta["tokenizer"]
     out = Path(save_dir) / tag
     out.mkdir(parents=True, exist_ok=True)
     for state in STATES:
@@ -187,18 +190,21 @@ def _create_adam_state(zero, step: int) -> None:
     zero._hp_optimizer_states_linked = True
 
 
-def load_universal_training_state(engine, load_dir, tag: str, *, pp_rank: int, stage_layers: list[range]):
-    """After ``deepspeed.initialize``: Adam moments and step, LR schedule, counters. Returns the TrainState."""
+def load_universal_training_state(engine, load_dir, tag: str, *, pp_rank: int, stage_layers: list[range],
+                                  load_optimizer_states: bool = True):
+    """After ``deepspeed.initialize``: Adam moments and step (unless ``load_optimizer_states`` is False:
+    --no-load-optim), LR schedule, counters. Returns the TrainState."""
     from deepspeed.utils import safe_set_full_optimizer_state
 
     meta = read_universal_meta(load_dir, tag)
-    _create_adam_state(engine.optimizer, meta["adam_step"])
     model = engine.module
-    for state in STATES[1:]:
-        shard = _stage_shard(load_dir, tag, state, model.config, model.tp_size, model.tp_rank, pp_rank,
-                             stage_layers)
-        for name, param in model.named_parameters():
-            safe_set_full_optimizer_state(param, shard[name].to(param.device), state)
+    if load_optimizer_states:
+        _create_adam_state(engine.optimizer, meta["adam_step"])
+        for state in STATES[1:]:
+            shard = _stage_shard(load_dir, tag, state, model.config, model.tp_size, model.tp_rank, pp_rank,
+                                 stage_layers)
+            for name, param in model.named_parameters():
+                safe_set_full_optimizer_state(param, shard[name].to(param.device), state)
     engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
     engine.global_steps, engine.global_samples = meta["global_steps"], meta["global_samples"]
     engine.skipped_steps = meta["skipped_steps"]

@@ -8,6 +8,9 @@
 ``deepspeed.py``    the DeepSpeed JSON built from the flags (a user's ``--deepspeed-config`` may only add to it)
 ==================  ======================================================================================
 
+``megatron_flags.py``: Megatron-LM's flags, each the same as ours, an alias, accepted without effect, or refused with
+ours named; the parsers' aliases and refusals and docs/megatron-flags.md are generated from its tables.
+
 May import: ``pipeline`` (stage splits), ``distributed`` (``ParallelDims``, ``Layout``). Nothing here creates a
 process group: a bad flag is refused before any exists.
 """

@@ -11,8 +11,9 @@ import os
 import warnings
 from dataclasses import dataclass
 
+from codegeex_train.config import megatron_flags
 from codegeex_train.config.model import ModelConfig, ModelConfigError
-from codegeex_train.config.options import build_parser, dataclass_from_args, option
+from codegeex_train.config.options import FlagParser, add_foreign_flags, build_parser, dataclass_from_args, option
 from codegeex_train.distributed.layout import Layout
 from codegeex_train.distributed.topology import ParallelConfigError, ParallelDims
 from codegeex_train.pipeline.stages import PipelineSplitError, stage_layer_ranges
@@ -57,6 +58,18 @@ class TrainConfig:
     checkpoint_activations: bool = option(False, "recompute each layer's activations in backward")
     save: str | None = option(None, "directory to save checkpoints to")
     load: str | None = option(None, "directory to resume from (its 'latest' checkpoint)")
+    finetune: bool = option(False, "start a new run from the model weights of --load only (a training, universal or "
+                            "weights-only checkpoint): the iteration, consumed samples, optimizer and LR schedule start "
+                            "afresh and the random streams from --seed (--no-load-optim and --no-load-rng are implied). "
+                            "A relaunch of the same command resumes instead: when --save already holds a checkpoint "
+                            "(this run saved before it stopped), that one is restored in full and --load is ignored; "
+                            "one line says so. --save must differ from --load")
+    no_load_optim: bool = option(False, "with --load, restore everything but the optimizer state: Adam's moments "
+                                 "and step count start afresh, ZeRO's fp32 master weights are rebuilt from the loaded "
+                                 "weights; the iteration, consumed samples and LR schedule continue. A training "
+                                 "checkpoint saved at another data-parallel size then loads too")
+    no_load_rng: bool = option(False, "with --load, restore everything but the random-number states: dropout and "
+                               "the other random streams start from --seed")
     save_interval: int | None = option(None, "save every N iterations (and always at the end when --save)")
     eval_interval: int = option(1000, "evaluate on the validation split every N iterations")
     eval_iters: int = option(10, "validation batches per evaluation")
@@ -101,6 +114,9 @@ class OptimConfig:
     sgd_momentum: float = option(0.9, "SGD momentum")
 
 
+TOKENIZER_TYPES = ("HFTokenizer", "GPT2BPETokenizer", "SentencePieceTokenizer", "CodeGeeXTokenizer")  # data.tokenizer's
+
+
 @dataclass
 class DataConfig:
     """Data: indexed datasets, splits, tokenizer."""
@@ -113,7 +129,8 @@ class DataConfig:
     tokenizer_type: str | None = option(None, "HFTokenizer, GPT2BPETokenizer, SentencePieceTokenizer or "
                                         "CodeGeeXTokenizer (CodeGeeX-13B's: GPT-2 + 143 extra tokens = 50400 ids, "
                                         "whitespace encoding built in; pad with --make-vocab-size-divisible-by "
-                                        "52224) (default: the shipped tokenizer trained on the Python stdlib)")
+                                        "52224) (default: the shipped tokenizer trained on the Python stdlib)",
+                                        choices=TOKENIZER_TYPES)
     tokenizer_model: str | None = option(None, "tokenizer.json (HFTokenizer), .model (SentencePiece), or for "
                                          "CodeGeeXTokenizer a tokenizer.json or Hugging Face tokenizer directory "
                                          "(e.g. a local copy of EleutherAI/gpt-j-6B's tokenizer files)")
@@ -158,10 +175,33 @@ class Args:
     logging: LoggingConfig
 
 
-def parser() -> argparse.ArgumentParser:
-    p = build_parser(SECTIONS, (__doc__ or "").strip())
+USAGE = "python -m codegeex_train.pretrain [FLAGS]    (or under deepspeed / torchrun / srun: see the examples)"
+
+DESCRIPTION = """\
+Pretrain a CodeGeeX-style GPT code model: Megatron tensor (TP) and pipeline (PP) parallelism, DeepSpeed ZeRO data
+parallelism over the other ranks. Flags are Megatron-LM's; docs/megatron-flags.md maps the Megatron flags we take
+under another name and the ones we refuse. Every flag is checked before training starts.
+
+examples:
+  # CPU, one process: the demo corpus (the Python stdlib) and the shipped tokenizer
+  python tools/preprocess_data.py --input default --output-prefix data/stdlib --whitespace-encoding --append-eod
+  DS_ACCELERATOR=cpu python -m codegeex_train.pretrain --data-path data/stdlib_text_document --save ckpt
+
+  # one node, 8 GPUs: TP 8, bf16
+  deepspeed --num_gpus 8 --module codegeex_train.pretrain --tensor-model-parallel-size 8 --bf16 \\
+      --data-path data/code_text_document --micro-batch-size 4 --global-batch-size 1536 --save ckpt
+
+  # a cluster (hostfile; pdsh + ssh): CodeGeeX-13B, TP 8 x PP 4, through the script
+  CONFIG=codegeex-13b DEVICE=gpu HOSTFILE=hostfile TP=8 PP=4 DATA_PATH=data/code_text_document \\
+      TOKENIZER_ARGS="--tokenizer-type CodeGeeXTokenizer --tokenizer-model gpt-j-tokenizer/" \\
+      bash scripts/pretrain_codegen.sh --decoder-last-pipeline-num-layers 9"""
+
+
+def parser() -> FlagParser:
+    p = build_parser(SECTIONS, DESCRIPTION, usage=USAGE)
     # The deepspeed launcher appends --local_rank=N; torchrun sets LOCAL_RANK instead.
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    add_foreign_flags(p, megatron_flags.PRETRAIN, megatron_flags.ORIGIN, megatron_flags.SEE)
     return p
 
 

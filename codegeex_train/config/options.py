@@ -3,14 +3,24 @@
 A field declared with ``option(default, "help text", flags=("--lr", "--learning-rate"))`` becomes an
 argparse flag; the first spelling defaults to Megatron's ``--field-name``. ``bool`` fields become
 ``store_true`` flags (``--x/--no-x`` when they default to True), ``list`` fields take several values, ``X | None`` fields are optional.
+Every flag's help shows its default (zeros and False included) and its choices.
+
+``FlagParser`` is argparse with errors a person reads: one ``error:`` line (no usage dump) that names the flag and,
+for a misspelt one, the closest known flag. ``add_foreign_flags`` teaches it another program's spellings
+(Megatron-LM's: ``config/megatron_flags.py``): each is the same flag, an alias, accepted without effect, or refused
+with a line naming ours.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import fnmatch
+import sys
 import types
 import typing
+from collections.abc import Callable
 from typing import Any
 
 
@@ -51,12 +61,16 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, title: s
         elif typing.get_origin(tp) in (list, tuple):
             kw.update(nargs="+", type=typing.get_args(tp)[0], default=default, metavar=f.name.upper())
         else:
-            kw.update(type=tp, default=default, choices=f.metadata.get("choices"), metavar=f.name.upper())
+            kw.update(type=tp, default=default, choices=f.metadata.get("choices"))
+            if not kw["choices"]:  # with choices, argparse shows them ({a,b,c}) where the metavar would be
+                kw["metavar"] = f.name.upper()
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 kw["required"] = True
-        if kw.get("default") not in (None, False) and kw["help"]:
+        if kw["help"] and "(default" not in kw["help"]:  # every default, 0 / False / None included
             kw["help"] += " (default: %(default)s)"
-        group.add_argument(*_flags(f), **kw)
+        action = group.add_argument(*_flags(f), **kw)
+        if action.help and action.help.count(" (default") > 1:  # an argparse that appends it itself (--x/--no-x)
+            action.help = action.help[:action.help.rindex(" (default")]
 
 
 def dataclass_from_args(cls: type, args: argparse.Namespace) -> Any:
@@ -65,9 +79,150 @@ def dataclass_from_args(cls: type, args: argparse.Namespace) -> Any:
     return cls(**values)
 
 
-def build_parser(sections: dict[str, type], description: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description, allow_abbrev=False,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+class FlagParser(argparse.ArgumentParser):
+    """argparse whose errors are one line, ``{error_prefix}error: ...``, exit status 2: a bad value names its flag
+    (argparse's own message), an unknown flag gets "did you mean --X?" when a known one is close, and a refused
+    foreign flag (``refuse``) gets its note. ``--help`` opens with the description, then one usage line."""
+
+    def __init__(self, *args, error_prefix: str = "", **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        super().__init__(*args, **kwargs)
+        self.error_prefix = error_prefix
+        self.refusal_suffix = ""  # said once after the refusals, e.g. where they are documented
+        self._refused: dict[str, Callable[[str], str]] = {}  # flag or fnmatch pattern ("--fp8-*") -> message
+
+    def refuse(self, flag: str, message: Callable[[str], str]) -> None:
+        """Answer ``flag`` (or any flag matching the pattern) with ``message(the flag given)`` instead of parsing."""
+        self._refused[flag] = message
+
+    def _refusal(self, token: str) -> str | None:
+        name = token.split("=", 1)[0]
+        if not name.startswith("--") or name in self._option_string_actions:
+            return None  # one of our flags (or a value) always wins over a refusal
+        pattern = name if name in self._refused else next(
+            (p for p in self._refused if fnmatch.fnmatchcase(name, p)), None)
+        return self._refused[pattern](name) if pattern else None
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        refused = list(dict.fromkeys(m for token in args if (m := self._refusal(token))))
+        if refused:  # all of them at once, so a script is fixed in one go
+            self.error("; ".join(refused) + (f" ({self.refusal_suffix})" if self.refusal_suffix else ""))
+        return super().parse_known_args(args, namespace)
+
+    def parse_args(self, args=None, namespace=None):
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(self.unrecognized(extras))
+        return namespace
+
+    def known_flags(self) -> list[str]:
+        """The flags --help shows (hidden ones, e.g. the DeepSpeed launcher's --local_rank, left out)."""
+        return [s for a in self._actions if a.help is not argparse.SUPPRESS for s in a.option_strings
+                if s.startswith("--")]
+
+    def unrecognized(self, extras: list[str]) -> str:
+        flags = [x for x in extras if x.startswith("-") and not x.lstrip("-").replace(".", "", 1).isdigit()]
+        if not flags:
+            return f"unexpected value{'s' * (len(extras) > 1)} {' '.join(extras)} (every input is a --flag VALUE)"
+        parts = []
+        for flag in flags:
+            close = difflib.get_close_matches(flag.split("=", 1)[0], self.known_flags(), n=1)
+            parts.append(f"{flag} (did you mean {close[0]}?)" if close else flag)
+        what = "unrecognized argument" + ("s" if len(parts) > 1 else "")
+        return f"{what} {', '.join(parts)}; --help lists every flag"
+
+    def error(self, message: str):
+        self.exit(2, f"{self.error_prefix}error: {' '.join(str(message).split())}\n")
+
+    def format_help(self) -> str:
+        formatter = self._get_formatter()
+        formatter.add_text(self.description)  # what the command does and examples first, then the usage line
+        formatter.add_usage(self.usage, self._actions, self._mutually_exclusive_groups)
+        for group in self._action_groups:
+            formatter.start_section(group.title)
+            formatter.add_text(group.description)
+            formatter.add_arguments(group._group_actions)
+            formatter.end_section()
+        formatter.add_text(self.epilog)
+        return formatter.format_help()
+
+
+SAME, ALIAS, IGNORED, REFUSED = "same", "alias", "ignored", "refused"
+
+
+@dataclasses.dataclass(frozen=True)
+class ForeignFlag:
+    """What our command does with another program's flag (a table's key: ``--flag``, ``--flag VALUE`` for one
+    value of a flag, or a pattern such as ``--fp8-*``). ``ours``: our flag (and value) of the same meaning, or
+    for a refused one what to use instead. SAME: the same spelling and meaning; ALIAS: accepted as ``ours``;
+    IGNORED: accepted, no effect (what it asks for is what happens anyway: ``note`` says why); REFUSED: an error
+    line saying ``note`` and ``ours``."""
+
+    kind: str
+    ours: str
+    note: str = ""
+
+    def refusal(self, flag: str, origin: str) -> str:
+        return f"{flag} ({origin}) is not supported here: {self.note}; ours: {self.ours}"
+
+
+def _value_converter(base, flag: str, values: dict[str, tuple[ForeignFlag, str]]):
+    """``base`` (an argparse type), first mapping the foreign values of ``flag`` to ours or refusing them."""
+    def convert(text: str):
+        if text in values:
+            entry, message = values[text]
+            if entry.kind == REFUSED:
+                raise argparse.ArgumentTypeError(message)  # argparse puts "argument --flag: " in front
+            if entry.kind == ALIAS:
+                text = entry.ours.split(None, 1)[1]
+        return base(text)
+
+    convert.__name__ = getattr(base, "__name__", "value")  # argparse's "invalid <type> value" message
+    return convert
+
+
+def add_foreign_flags(parser: FlagParser, table: dict[str, ForeignFlag], origin: str, see: str) -> None:
+    """Teach ``parser`` the spellings of ``table`` (see ``ForeignFlag``). An alias of a flag is listed next to ours
+    in --help; ``--flag`` for ``--ours VALUE`` sets that value; the others are hidden (``see`` documents them)."""
+    actions = parser._option_string_actions
+    parser.refusal_suffix = see
+    values: dict[str, dict[str, tuple[ForeignFlag, str]]] = {}
+    for key, entry in table.items():
+        flag, _, value = key.partition(" ")
+        if entry.kind == SAME or flag in actions and not value:
+            continue  # ours already (a flag added since the table was written wins)
+        if value:  # one value of one of our flags
+            values.setdefault(flag, {})[value] = (entry, f"{entry.refusal(value, origin)} ({see})")
+        elif entry.kind == REFUSED:
+            parser.refuse(flag, lambda given, entry=entry: entry.refusal(given, origin))
+        elif entry.kind == IGNORED:
+            parser.add_argument(flag, nargs="?", default=argparse.SUPPRESS, dest=f"ignored {flag}",
+                                help=argparse.SUPPRESS)
+        elif entry.kind == ALIAS:
+            target, _, const = entry.ours.partition(" ")
+            action = actions[target]
+            if const:  # --openai-gelu = --activation gelu_tanh
+                const = (action.type or str)(const)
+                if action.choices is not None and const not in action.choices:
+                    raise ValueError(f"{key}: {entry.ours} is not one of {target}'s choices")
+                parser.add_argument(flag, action="store_const", const=const, dest=action.dest,
+                                    default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+            else:  # parsed as ours (errors name ours); --help names it after ours
+                actions[flag] = action
+                if action.help not in (None, argparse.SUPPRESS):
+                    action.help += f" (also {flag})"
+        else:
+            raise ValueError(f"{key}: unknown kind {entry.kind!r}")
+    for flag, by_value in values.items():
+        action = actions[flag]
+        action.type = _value_converter(action.type or str, flag, by_value)
+
+
+def build_parser(sections: dict[str, type], description: str, usage: str | None = None,
+                 epilog: str | None = None) -> FlagParser:
+    parser = FlagParser(description=description, usage=usage, epilog=epilog)
     for title, cls in sections.items():
         add_dataclass_arguments(parser, cls, title)
     return parser

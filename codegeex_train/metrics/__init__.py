@@ -6,7 +6,8 @@ iteration_time_ms tokens_per_s tflops_per_device mfu memory_gb`` (``skipped_iter
 DeepSpeed skipped in the log interval, fp16 overflows); eval records ``{split}_loss {split}_ppl``. Any other key
 is carried through every sink too. Sinks:
 
-- console: one Megatron-style line per record (only the keys present);
+- console: one Megatron-style line per record (only the keys present; the byte counts ``comm_*`` and
+  ``memory_*_bytes`` are left to the file, wandb and the plots);
 - JSON lines (``--metrics-file``, default ``<save>/metrics.jsonl``): appended, so a resumed run continues
   the same file; after a restart from an older checkpoint some iterations appear twice, and the later
   line is the one that counts;

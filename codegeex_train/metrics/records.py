@@ -1,5 +1,10 @@
 """A metrics record is a flat dict: ``iteration``, an optional ``split`` and plain numbers. Building the speed and
-memory fields, normalising values, and the one console line per record."""
+memory fields, normalising values, and the one console line per record.
+
+The console line is for a person: Megatron's fields (iteration, consumed samples, time per iteration, learning rate,
+global batch size, loss, loss scale, grad norm, skipped and nan iterations) then speed (tokens/s, TFLOP/s per device,
+MFU) and memory, about 200 characters. Byte counts (``comm_*_bytes``, ``comm_*_bytes_theory``,
+``memory_*_bytes``: many per record) stay off it: the JSON-lines file, wandb and the plots get every field."""
 
 from __future__ import annotations
 
@@ -60,24 +65,32 @@ def _generic(value) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-# (name, label, formatter) in console order; eval names are shown without their split prefix.
+# (name, label, formatter) in console order, Megatron's first; eval names are shown without their split prefix.
 _FIELDS = (
-    ("consumed_samples", "consumed samples", "{:.0f}".format),
+    ("consumed_samples", "samples", "{:.0f}".format),
+    ("iteration_time_ms", "ms/iter", "{:.1f}".format),
     ("lr", "lr", "{:.3E}".format),
+    ("global_batch_size", "global batch", "{:d}".format),
     ("loss", "loss", "{:.4E}".format),
     ("ppl", "ppl", "{:.4E}".format),
-    ("grad_norm", "grad norm", "{:.3f}".format),
     ("loss_scale", "loss scale", "{:.1f}".format),
-    ("skipped_iterations", "skipped iterations", "{:d}".format),
-    ("iteration_time_ms", "iter time (ms)", "{:.1f}".format),
+    ("grad_norm", "grad norm", "{:.3f}".format),
+    ("skipped_iterations", "skipped", "{:d}".format),
+    ("nan_iterations", "nan", "{:d}".format),
     ("tokens_per_s", "tokens/s", "{:.0f}".format),
-    ("tflops_per_device", "TFLOP/s/device", "{:.2f}".format),
+    ("tflops_per_device", "TFLOP/s/dev", "{:.2f}".format),
     ("mfu", "MFU", _percent),
-    ("memory_gb", "mem (GB)", "{:.2f}".format),
+    ("memory_gb", "mem GB", "{:.2f}".format),
 )
 _FORMATTERS = {name: (label, fmt) for name, label, fmt in _FIELDS}
 _ORDER = {name: i for i, (name, _, _) in enumerate(_FIELDS)}
 _SPLIT_TITLES = {"valid": "validation", "test": "test"}
+
+
+def console_field(name: str) -> bool:
+    """Whether the console line shows ``name``: not the byte counts (``comm_<group>_bytes[_theory]``,
+    ``memory_<part>_bytes[_theory]``), which only the file, wandb and the plots get."""
+    return not (name.startswith("comm_") or name.endswith(("_bytes", "_bytes_theory")))
 
 
 def _format_value(fmt, value) -> str:
@@ -90,16 +103,17 @@ def _format_value(fmt, value) -> str:
 
 
 def format_record(record: dict, train_iters: int) -> str:
-    """One console line. Train: `` iteration      20/     100 | lr: ... | loss: ...``; eval:
-    `` validation loss at iteration      20 | loss: ... | ppl: ...``. Missing or None keys are skipped."""
+    """One console line. Train: `` iteration      20/     100 | samples: ... | ms/iter: ... | lr: ...``; eval:
+    `` validation loss at iteration      20 | loss: ... | ppl: ...``. Missing or None keys are skipped, and so are
+    the byte counts (``console_field``)."""
     split = record.get("split", "train")
     if split == "train":
         head = f" iteration {record['iteration']:8d}/{train_iters:8d}"
     else:
         what = f"{_SPLIT_TITLES[split]} loss" if split in _SPLIT_TITLES else split
         head = f" {what} at iteration {record['iteration']:8d}"
-    items = [(k.removeprefix(split + "_"), v) for k, v in record.items()
-             if k not in ("iteration", "split") and v is not None]
+    items = [(k if k in _FORMATTERS else k.removeprefix(split + "_"), v) for k, v in record.items()
+             if k not in ("iteration", "split") and v is not None and console_field(k)]
     items.sort(key=lambda kv: _ORDER.get(kv[0], len(_ORDER)))  # stable: unknown keys keep their order
     parts = [head]
     for name, value in items:

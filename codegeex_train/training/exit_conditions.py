@@ -7,6 +7,12 @@ all-reduce (MAX) of a few integers over the world, so every rank decides to stop
 its part of the same checkpoint, and exits 0. Deciding per rank would leave the ranks that did not see the
 signal waiting forever in the next iteration's collectives.
 
+After a stop by signal, rank 0 writes ``<save>/preempted`` holding the tag it saved, after ``latest``: the
+launchers report such a job as failed (DeepSpeed's per-node launcher exits 1 once it has been signalled, torchrun
+raises), so a wrapper reads the marker instead. The marker names the current ``latest`` only when this run stopped
+there by a signal: a run removes it when it starts training, and a launching script should remove it before the
+launch (a run that dies before training starts cannot). docs/clusters-preemption.md has the recipes.
+
 The numerical health flags ride in the same all-reduce: the loss lives only on the last pipeline stage's ranks
 (and differs between DP ranks), so a NaN seen there must stop the first stage's ranks too, at the same
 iteration, before anyone saves.
@@ -15,11 +21,16 @@ iteration, before anyone saves.
 from __future__ import annotations
 
 import math
+import os
 import signal
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+# In --save: the tag of the checkpoint a stop by signal saved (the run's last), written after `latest`.
+PREEMPTED_MARKER = "preempted"
 
 # A first-bad iteration i travels as _FAR - i, so MAX over ranks picks the earliest one (0: none).
 _FAR = 2 ** 62
@@ -113,6 +124,17 @@ class NumericalHealth:
         return None
 
 
+def write_preempted_marker(save_dir: str | os.PathLike, tag: str) -> None:
+    """``<save_dir>/preempted`` := ``tag``, atomically (after ``latest`` names ``tag``)."""
+    tmp = Path(save_dir) / f"{PREEMPTED_MARKER}.tmp"
+    tmp.write_text(tag)
+    os.replace(tmp, Path(save_dir) / PREEMPTED_MARKER)
+
+
+def clear_preempted_marker(save_dir: str | os.PathLike) -> None:
+    Path(save_dir, PREEMPTED_MARKER).unlink(missing_ok=True)
+
+
 class ExitConditions:
     def __init__(self, *, signal_handler: bool, duration_mins: float | None, start_time: float,
                  device: torch.device, sig: int = signal.SIGTERM) -> None:
@@ -120,7 +142,8 @@ class ExitConditions:
         self.start_time = start_time
         self.device = device
         self.signal_name = signal.Signals(sig).name
-        self.received = False
+        self.received = False  # this rank got the signal
+        self.stopped_by_signal = False  # the world's verdict: some rank got it (set by check)
         self._previous = None
         self._sig = sig
         if signal_handler:
@@ -148,12 +171,19 @@ class ExitConditions:
         if checks_health:
             health.problem = health.judge(values[2:])
         if values[0]:
+            self.stopped_by_signal = True
             return f"{self.signal_name} received (--exit-signal-handler)"
         if values[1]:
             return f"--exit-duration-in-mins {self.duration_mins:g} reached"
         return None
 
     def close(self) -> None:
+        """Restore the previous handler; after a stop by signal, ignore the signal instead. The rank is on its way
+        out, and another SIGTERM (DeepSpeed's launcher terminates its ranks one after the other, so the second
+        one's arrives once the first has exited; a repeated scancel) must not kill it between its save and its exit
+        0. SIG_IGN, not our handler: the interpreter resets Python handlers to the default action as it shuts down,
+        and a SIGTERM then still killed the rank (measured with the default CPU model: exit -15 after its save).
+        A launcher's SIGKILL (30 s after its SIGTERM) still ends a rank that hangs on the way out."""
         if self._previous is not None:
-            signal.signal(self._sig, self._previous)
+            signal.signal(self._sig, signal.SIG_IGN if self.stopped_by_signal else self._previous)
             self._previous = None

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from codegeex_train.accounting import CommCounter, Workload, comm_bytes_per_step, memory_per_rank
 from codegeex_train.accounting.memory import SavedActivations, measure_state_memory
 from codegeex_train.accounting.theory import microbatches_in_flight
-from codegeex_train.checkpoint.files import checkpoint_tag
+from codegeex_train.checkpoint.files import checkpoint_tag, tokenizer_settings
 from codegeex_train.checkpoint.train_state import TrainState
 from codegeex_train.checkpoint.training import save_checkpoint
 from codegeex_train.config.arguments import Args
@@ -34,7 +34,13 @@ from codegeex_train.pipeline import (
     with_p2p_ops,
 )
 from codegeex_train.tensor_parallel import RNGStatesTracker
-from codegeex_train.training.exit_conditions import ExitConditions, NumericalHealth, NumericalHealthError
+from codegeex_train.training.exit_conditions import (
+    ExitConditions,
+    NumericalHealth,
+    NumericalHealthError,
+    clear_preempted_marker,
+    write_preempted_marker,
+)
 from codegeex_train.training.stage import EngineStage
 
 
@@ -156,6 +162,7 @@ def _train_record(run: Run, state: TrainState, loss: torch.Tensor, seconds_per_i
     return {
         "iteration": state.iteration,
         "consumed_samples": state.consumed_train_samples,
+        "global_batch_size": layout.global_batch_size,
         "lr": engine.get_lr()[0],
         "loss": dp_mean(loss, run.topology),
         "grad_norm": float(grad_norm) if grad_norm is not None else None,
@@ -222,6 +229,8 @@ def _train(run: Run, state: TrainState, train_loader, valid_loader, test_loader,
     exits = run.exit_conditions or ExitConditions(signal_handler=False, duration_mins=None, start_time=time.time(),
                                                   device=run.device)
     step_comm: dict[str, int] = {}
+    if t.save and run.topology.rank == 0:
+        clear_preempted_marker(t.save)  # from a stop by signal before: this run goes on from there
     # Measured once, at the run's second step: the first creates the optimizer's state.
     memory_iteration = min(start_iteration + 2, t.train_iters)
     while state.iteration < t.train_iters:
@@ -275,8 +284,11 @@ def _train(run: Run, state: TrainState, train_loader, valid_loader, test_loader,
         saving = t.save and (last or (t.save_interval and state.iteration % t.save_interval == 0))
         if saving:
             state.wandb_run_id = run.logger.wandb_run_id
-            save_checkpoint(run.engine, t.save, state, run.args.model, run.topology, run.tracker)
+            save_checkpoint(run.engine, t.save, state, run.args.model, run.topology, run.tracker,
+                            tokenizer=tokenizer_settings(run.args.data))
         if stop_reason is not None and run.topology.rank == 0:
+            if t.save and exits.stopped_by_signal:  # after `latest` (save_checkpoint), before any print
+                write_preempted_marker(t.save, checkpoint_tag(state.iteration))
             saved = f"saved {checkpoint_tag(state.iteration)} to {t.save}" if t.save else "no --save: nothing saved"
             print(f"{stop_reason}: stopping after iteration {state.iteration}; {saved}. Relaunch the same command "
                   f"(with --load) to resume.", flush=True)

@@ -1,6 +1,7 @@
 """Running ``scripts/pretrain_codegen.sh`` and the launchers as a user would, and finding their ranks."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -70,6 +71,54 @@ def rank_pids(marker: str) -> dict[int, int]:
             if local is not None:
                 candidates[int(entry.name)] = (int(local), ppid)
     return {local: pid for pid, (local, ppid) in candidates.items() if ppid not in candidates}
+
+
+def job_processes(marker: str) -> list[int]:
+    """Live processes (zombies aside) whose command line contains ``marker``: ranks, their DataLoader workers, tee."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if marker in argv and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+# DeepSpeed's per-node launcher, signalled, terminates its ranks and collects their exit codes without printing them
+# (launch.py: terminate_process_tree -> psutil.wait_procs). A sitecustomize on PYTHONPATH makes it print them.
+_REAPED_REPORTER = """\
+import psutil
+
+_wait_procs = psutil.wait_procs
+
+
+def _reporting_wait_procs(procs, *args, **kwargs):
+    gone, alive = _wait_procs(procs, *args, **kwargs)
+    for proc in gone:
+        print(f"reaped pid={proc.pid} returncode={getattr(proc, 'returncode', None)}", flush=True)
+    return gone, alive
+
+
+psutil.wait_procs = _reporting_wait_procs
+"""
+
+
+def reaped_exit_codes_reporter(directory) -> str:
+    """A PYTHONPATH value under which a signalled DeepSpeed launcher prints ``reaped pid=P returncode=R`` for each
+    process it terminated (R: the exit code of its children, the ranks; None for their children)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "sitecustomize.py").write_text(_REAPED_REPORTER)
+    return os.pathsep.join(p for p in (str(directory), os.environ.get("PYTHONPATH", "")) if p)
+
+
+def reaped_exit_codes(log: str) -> dict[int, str]:
+    return {int(pid): code for pid, code in re.findall(r"^reaped pid=(\d+) returncode=(\S+)$", log, re.MULTILINE)}
 
 
 def wait_for_latest(output_dir, at_least: int, proc: subprocess.Popen, timeout: float = 240) -> int:

@@ -1,6 +1,7 @@
-"""What clusters do to long runs, through `bash scripts/pretrain_codegen.sh` as a user runs it: a rank killed
-(relaunch resumes), preemption by SIGTERM (checkpoint, exit 0, resume), a wall-clock limit, a node that never
-joins. Each comparison is with one uninterrupted run of the same command: final weights bitwise equal."""
+"""What clusters do to long runs, through `bash scripts/pretrain_codegen.sh` as a user runs it (at PP 2, with the
+script's one DataLoader worker per rank): a rank killed (relaunch resumes), preemption by SIGTERM to one rank or to
+every process of the job (checkpoint, exit 0, resume), a wall-clock limit, a node that never joins. Each comparison
+is with one uninterrupted run of the same command: final weights bitwise equal."""
 
 import os
 import re
@@ -8,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +17,10 @@ from launch_helpers import (
     ROOT,
     final_weights,
     finish,
+    job_processes,
     rank_pids,
+    reaped_exit_codes,
+    reaped_exit_codes_reporter,
     script_env,
     start_script,
     stop_session,
@@ -27,12 +32,13 @@ from codegeex_train.testing import free_port
 
 ITERS = 40
 SAVE_EVERY = ["--save-interval", "5"]
+PP2 = {"PP": "2"}  # where preemption was seen to fail: both ranks read data, each through its DataLoader worker
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, tiny_data):
     out = tmp_path_factory.mktemp("uninterrupted")
-    proc = start_script(script_env(out, tiny_data, train_iters=ITERS), *SAVE_EVERY)
+    proc = start_script(script_env(out, tiny_data, train_iters=ITERS, **PP2), *SAVE_EVERY)
     log = finish(proc)
     assert proc.returncode == 0, log[-4000:]
     return out
@@ -49,9 +55,63 @@ def assert_same_final_weights(a, b):
     assert not differing, differing
 
 
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+# A rank with the script's DataLoader (one worker), driven step by step by the test through stdin.
+_LOADER_RANK = """
+import sys, torch
+from codegeex_train.data.sampler import build_pretraining_data_loader
+
+loader = build_pretraining_data_loader([{"text": torch.full((3,), i)} for i in range(64)], 0, 2, 0, 1, num_workers=1)
+it = iter(loader)
+print(it._workers[0].pid, flush=True)
+sys.stdin.readline()  # the test has sent the worker SIGTERM and SIGINT by now
+print(*[int(next(it)["text"][0, 0]) for _ in range(len(loader))], it._workers[0].is_alive(), flush=True)
+it._workers[0].terminate()  # SIGTERM from the rank itself: what DataLoader's shutdown and multiprocessing's exit do
+it._workers[0].join(10)
+print(it._workers[0].exitcode, flush=True)
+it = iter(loader)
+next(it)  # the worker is up (PyTorch's watchdog notes its parent once started: a rank killed before is not seen)
+print(it._workers[0].pid, flush=True)
+sys.stdin.readline()  # SIGKILLed here
+"""
+
+
+def test_loader_workers_leave_stop_signals_to_their_rank(tmp_path):
+    """A worker ignores SIGTERM and SIGINT from others (a launcher's process-tree kill, SLURM, killpg) and goes on
+    serving batches; its rank's SIGTERM still ends it at once (exit 0, as PyTorch's own handler does: an outright
+    SIG_IGN would hang multiprocessing's exit, which terminates daemonic workers and then joins them); and it dies
+    with its rank when the rank is SIGKILLed (the DataLoader's watchdog: within 5 s)."""
+    rank = subprocess.Popen([sys.executable, "-c", _LOADER_RANK], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, cwd=tmp_path, start_new_session=True)
+    try:
+        worker = int(rank.stdout.readline())
+        os.kill(worker, signal.SIGTERM)
+        os.kill(worker, signal.SIGINT)
+        time.sleep(0.5)
+        rank.stdin.write("go\n")
+        rank.stdin.flush()
+        assert rank.stdout.readline().split() == [str(i) for i in range(0, 64, 2)] + ["True"]
+        assert rank.stdout.readline().strip() == "0"  # ended by its rank's SIGTERM, at once and cleanly
+        worker = int(rank.stdout.readline())
+        rank.kill()
+        rank.wait()
+        deadline = time.monotonic() + 15
+        while alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(worker), "a DataLoader worker outlived its SIGKILLed rank"
+    finally:
+        stop_session(rank)
+
+
 def test_killed_rank_brings_job_down_and_relaunch_resumes(tmp_path, tiny_data, uninterrupted):
     out = tmp_path / "killed"
-    env = script_env(out, tiny_data, train_iters=ITERS)
+    env = script_env(out, tiny_data, train_iters=ITERS, **PP2)
     proc = start_script(env, *SAVE_EVERY)
     try:
         saved = wait_for_latest(out, 10, proc)
@@ -81,33 +141,72 @@ def test_killed_rank_brings_job_down_and_relaunch_resumes(tmp_path, tiny_data, u
     assert_same_final_weights(uninterrupted, out)
 
 
-def test_sigterm_saves_and_exits_zero_then_resumes(tmp_path, tiny_data, uninterrupted):
-    out = tmp_path / "preempted"
-    env = script_env(out, tiny_data, train_iters=ITERS)
-    proc = start_script(env, *SAVE_EVERY)
-    try:
-        wait_for_latest(out, 5, proc)
-        pids = rank_pids(str(out))
-        os.kill(pids[1], signal.SIGTERM)  # one rank only: the ranks must still agree on where to stop
-        log = finish(proc, timeout=120)
-    finally:
-        stop_session(proc)
+def assert_stopped_by_signal(out, proc, log: str) -> int:
+    """The job stopped on SIGTERM at its current iteration, saved it whole, and reported success; returns it."""
     assert proc.returncode == 0, log[-3000:]
-    assert "SIGTERM received" in log, log[-3000:]
-    stopped_at = max(train_losses(out))
-    assert stopped_at < ITERS
-    assert (out / "latest").read_text() == f"iter_{stopped_at:07d}"  # a checkpoint of the very iteration
-    files = sorted(p.name for p in (out / f"iter_{stopped_at:07d}").iterdir())
-    assert sum(name.endswith("optim_states.pt") for name in files) == 2, files  # both ranks' ZeRO partitions
+    stopped_at = max(train_losses(out))  # the last iteration logged (a relaunch's come after a resumed one's)
+    tag = f"iter_{stopped_at:07d}"
+    assert (f"SIGTERM received (--exit-signal-handler): stopping after iteration {stopped_at}; saved {tag}"
+            in log), log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
+    assert (out / "latest").read_text() == tag  # a checkpoint of the very iteration, not the last interval one
+    assert (out / "preempted").read_text() == tag  # the ranks' word that it is complete: how the script says 0
+    assert f"codegeex_train: stopped by a signal after saving {out}/{tag}" in log, log[-3000:]
+    files = sorted(p.name for p in (out / tag).iterdir())
+    assert sum(name.endswith("optim_states.pt") for name in files) == 2, files  # both stages' ZeRO partitions
+    assert job_processes(str(out)) == [], "processes of the job left running"
+    return stopped_at
 
-    env["LAUNCHER_ARGS"] = f"--master_addr 127.0.0.1 --master_port {free_port()}"
+
+def test_sigterm_to_one_rank_or_to_every_process_saves_exits_zero_and_resumes(tmp_path, tiny_data, uninterrupted):
+    """Preemption as it comes: (a) SIGTERM to one rank only (the ranks agree where to stop); (b) SIGTERM to every
+    process of the job, as SLURM signals a job step (here `kill -- -PGID` of the script's session: the shell, tee,
+    the `deepspeed` runner, the per-node launcher, the ranks and their DataLoader workers). Either way: the current
+    iteration is saved, every rank exits 0, the script exits 0, and a relaunch goes on exactly as if uninterrupted.
+    One directory, three launches: (a) stops the first, (b) the relaunch, the third runs to the end."""
+    out = tmp_path / "preempted"
+    # The launcher, once signalled, collects the ranks' exit codes without printing them: make it print them.
+    env = script_env(out, tiny_data, train_iters=ITERS, PYTHONPATH=reaped_exit_codes_reporter(tmp_path / "site"),
+                     **PP2)
+    stops, logs = [], []
+    for whole_job in (False, True):
+        proc = start_script(env, *SAVE_EVERY)
+        try:
+            # mid-run, past an interval checkpoint (and this launch's resume): `latest` must move on to the stop
+            wait_for_latest(out, (stops[-1] // 5 + 1) * 5 if stops else 5, proc)
+            pids = rank_pids(str(out))
+            assert sorted(pids) == [0, 1], pids
+            signalled = time.monotonic()
+            if whole_job:
+                os.killpg(proc.pid, signal.SIGTERM)
+            else:
+                os.kill(pids[1], signal.SIGTERM)
+            log = finish(proc, timeout=120)
+            took = time.monotonic() - signalled
+        finally:
+            stop_session(proc)
+        stops.append(assert_stopped_by_signal(out, proc, log))
+        logs.append(log)
+        if whole_job:  # the launcher terminated the ranks (and exits 1): they had exited 0, before its 30-s SIGKILL
+            codes = reaped_exit_codes(log)
+            assert {codes.get(pids[0]), codes.get(pids[1])} == {"0"}, (pids, codes, log[-3000:])
+            assert took < 30, took
+            assert "Main process received SIGTERM" in log, log[-3000:]
+        else:  # the launcher saw both ranks exit 0 itself
+            for pid in pids.values():
+                assert f"Process {pid} exits successfully." in log, log[-3000:]
+        env["LAUNCHER_ARGS"] = f"--master_addr 127.0.0.1 --master_port {free_port()}"
+
     proc = start_script(env, *SAVE_EVERY)
     log = finish(proc)
     assert proc.returncode == 0, log[-4000:]
-    assert first_logged_iteration(log) == stopped_at + 1
+    assert not (out / "preempted").exists()  # the run that went on from the stop removed the ranks' word for it
+    # Each relaunch went on from the stop, and every loss equals the uninterrupted run's.
+    assert [first_logged_iteration(text) for text in (logs[1], log)] == [stops[0] + 1, stops[1] + 1]
     resumed, full = train_losses(out), train_losses(uninterrupted)
     assert sorted(resumed) == list(range(1, ITERS + 1))
-    for it in range(stopped_at + 1, ITERS + 1):
+    assert stops[0] < stops[1] < ITERS
+    for it in range(1, ITERS + 1):
         assert resumed[it] == full[it], it
     assert_same_final_weights(uninterrupted, out)
 

@@ -95,3 +95,55 @@ def test_default_input_is_the_stdlib_corpus(tmp_path):
     assert resolve_inputs(["default"]) == resolve_inputs([]) == [str(p) for p in default_corpus_files()]
     with pytest.raises(ValueError, match="cannot be combined"):
         resolve_inputs(["default", str(tmp_path)])
+
+
+# --- Megatron-LM's flags (config/megatron_flags.py PREPROCESS_DATA) -------------------------------------------------
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("preprocess_data_tool", TOOL)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
+def _one_error_line(capsys, tool, argv):
+    with pytest.raises(SystemExit) as exit_info:
+        tool.parse_args(["--output-prefix", "out", *argv])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("preprocess_data.py: error: "), err
+    return lines[0]
+
+
+def test_megatron_tokenizer_type_and_flags_are_accepted(capsys):
+    from codegeex_train.config.megatron_flags import PREPROCESS_DATA
+
+    tool = _tool()
+    base = ["--output-prefix", "out"]
+    plain = vars(tool.parse_args(base))
+    for key, entry in PREPROCESS_DATA.items():
+        if entry.kind == "alias":  # --tokenizer-type HuggingFaceTokenizer (not one of our choices) -> ours
+            theirs, ours = vars(tool.parse_args(base + key.split())), vars(tool.parse_args(base + entry.ours.split()))
+            assert theirs == ours and theirs["tokenizer_type"] == entry.ours.split()[1], key
+    # Megatron's runtime flags: accepted, the same arguments as without them (--workers is ours already).
+    megatron = vars(tool.parse_args(base + ["--workers", "4", "--partitions", "1", "--keep-newlines",
+                                            "--keep-sequential-samples", "--lang", "english", "--dataset-impl", "mmap"]))
+    assert {k: v for k, v in megatron.items() if not k.startswith("ignored ")} == {**plain, "workers": 4}
+    assert capsys.readouterr().err == ""  # --partitions 1: nothing to say
+    tool.parse_args(base + ["--partitions", "8", "--workers", "2"])
+    note = capsys.readouterr().err.splitlines()
+    assert len(note) == 1 and note[0].startswith("preprocess_data.py: note: --partitions 8") and "--workers 2" in note[0]
+
+
+@pytest.mark.parametrize("argv,fragments", [
+    (["--split-sentences"], ["--split-sentences (Megatron-LM) is not supported here", "nltk", "ours: none"]),
+    (["--tokenizer-type", "Llama2Tokenizer"], ["Llama2Tokenizer (Megatron-LM)", "ours: --tokenizer-type HFTokenizer"]),
+    (["--vocab-size", "786"], ["--vocab-size (Megatron-LM)", "ours: --tokenizer-type HFTokenizer"]),
+    (["--worker", "2"], ["unrecognized argument --worker (did you mean --workers?)"]),
+    (["--workers", "0"], ["--workers 0: must be >= 1"]),
+])
+def test_refused_unknown_and_bad_flags_are_one_line(capsys, argv, fragments):
+    line = _one_error_line(capsys, _tool(), argv)
+    for fragment in fragments:
+        assert fragment in line, line

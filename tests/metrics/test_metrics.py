@@ -122,15 +122,50 @@ def test_console_line_format():
               "loss_scale": 1.0, "iteration_time_ms": 812.3, "tokens_per_s": 12345.4, "tflops_per_device": 0.12,
               "mfu": 0.012, "memory_gb": 1.23}
     assert format_record(record, 100) == (
-        " iteration       20/     100 | consumed samples: 640 | lr: 2.900E-04 | loss: 5.1234E+00 | "
-        "grad norm: 1.234 | loss scale: 1.0 | iter time (ms): 812.3 | tokens/s: 12345 | TFLOP/s/device: 0.12 | "
-        "MFU: 1.2% | mem (GB): 1.23")
+        " iteration       20/     100 | samples: 640 | ms/iter: 812.3 | lr: 2.900E-04 | loss: 5.1234E+00 | "
+        "loss scale: 1.0 | grad norm: 1.234 | tokens/s: 12345 | TFLOP/s/dev: 0.12 | MFU: 1.2% | mem GB: 1.23")
     assert format_record({"iteration": 3, "loss": 2.0, "grad_norm": None, "skipped": 1}, 10) == (
         " iteration        3/      10 | loss: 2.0000E+00 | skipped: 1")
     assert format_record({"iteration": 4, "loss": float("nan"), "tokens": 123456}, 10) == (
         " iteration        4/      10 | loss: nan | tokens: 123456")
     assert format_record(VALID, 100) == (
         " validation loss at iteration        2 | loss: 8.7500E+00 | ppl: 6.3107E+03")
+
+
+# A train record as the trainer builds it on a CPU run (TP 2, PP 1): Megatron's fields, speed, memory, and the bytes
+# each process group moved, measured and predicted (training/trainer.py: _train_record, comm_record).
+FULL_TRAIN = {"iteration": 20, "consumed_samples": 640, "lr": 2.9e-4, "loss": 5.1234, "grad_norm": 1.234,
+              "loss_scale": 1.0, "skipped_iterations": 0, "iteration_time_ms": 8123.4, "tokens_per_s": 12345.5,
+              "tflops_per_device": 0.0123, "memory_gb": 1.23,
+              **{f"comm_{group}_bytes{suffix}": 123_456_789 if group == "tp" else 0
+                 for group in ("dp", "embedding", "mp", "pp", "tp") for suffix in ("", "_theory")}}
+MEMORY = {"iteration": 2, "split": "memory", "memory_weights_bytes": 1_234_567, "memory_total_bytes": 9_876_543,
+          "memory_weights_bytes_theory": 1_234_000, "memory_gb": 1.5}
+
+
+def test_console_line_is_megatrons_fields_without_byte_counts(tmp_path, capsys):
+    line = format_record(FULL_TRAIN, 100)
+    assert "comm_" not in line and "bytes" not in line and len(line) < 200, (len(line), line)
+    assert line == (" iteration       20/     100 | samples: 640 | ms/iter: 8123.4 | lr: 2.900E-04 | loss: 5.1234E+00 | "
+                    "loss scale: 1.0 | grad norm: 1.234 | skipped: 0 | tokens/s: 12346 | TFLOP/s/dev: 0.01 | "
+                    "mem GB: 1.23")
+    # Every field Megatron's line has (global batch size and nan iterations when a record carries them), in its
+    # order, then speed and memory.
+    everything = {**FULL_TRAIN, "global_batch_size": 32, "nan_iterations": 0, "mfu": 0.012}
+    line = format_record(everything, 100)
+    labels = ["iteration", "samples:", "ms/iter:", "lr:", "global batch: 32", "loss:", "loss scale:", "grad norm:",
+              "skipped:", "nan: 0", "tokens/s:", "TFLOP/s/dev:", "MFU:", "mem GB:"]
+    assert [line.index(label) for label in labels] == sorted(line.index(label) for label in labels), line
+    assert "comm_" not in line and len(line) < 240
+    assert format_record(MEMORY, 100) == " memory at iteration        2 | mem GB: 1.50"
+    # The file (and wandb, from the same plain record) still gets every field.
+    logger = make_logger(tmp_path)
+    logger.log(FULL_TRAIN)
+    logger.log(MEMORY)
+    logger.close()
+    assert capsys.readouterr().out.splitlines() == [format_record(plain_record(FULL_TRAIN), 100),
+                                                    format_record(MEMORY, 100)]
+    assert read_jsonl(tmp_path / "save" / "metrics.jsonl") == [plain_record(FULL_TRAIN), plain_record(MEMORY)]
 
 
 def test_console_sink_prints_one_line_per_record(tmp_path, capsys):

@@ -1,0 +1,260 @@
+"""scripts/pretrain_codegen.sh's layout, launch command and weights source, checked without training.
+
+`DRY_RUN=1` prints the resolved layout and the exact launch command and runs nothing. The GPU branch is checked on
+this CPU machine with a fake `nvidia-smi` first on PATH (the script counts the `GPU N: ...` lines of
+`nvidia-smi -L`); every PATH entry holding a real one is left out, so the CPU cases see none. A fake `deepspeed` and
+a fake `$PYTHON` record any call: a dry run or a refused layout must make none, and must create nothing in its
+(empty, temporary) working directory. One case runs the script for real with the fake launcher, so the command the
+dry run prints is checked against the one that runs.
+"""
+
+import os
+import shlex
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "pretrain_codegen.sh"
+
+# Variables of the outer environment that the script reads: a test sets the ones it wants.
+SCRIPT_VARS = ("OUTPUT_DIR", "CONFIG", "DEVICE", "NUM_GPUS", "HOSTFILE", "TP", "PP", "MICRO_BATCH", "MICRO_BATCHES",
+               "GLOBAL_BATCH", "TRAIN_ITERS", "SEQ_LENGTH", "DATA_PATH", "TOKENIZER_ARGS", "DS_CONFIG", "LR", "MIN_LR",
+               "DECAY", "WARMUP", "LAUNCHER_ARGS", "INIT_FROM", "DRY_RUN", "DS_ACCELERATOR", "DS_ENV_FILE",
+               "OMP_NUM_THREADS", "TORCH_EXTENSIONS_DIR", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+
+# What the script ran for the default CPU configuration before the launch layout was derived from the device
+# (`git show a4bf96d:scripts/pretrain_codegen.sh` with no variables set): it must stay exactly this.
+CPU_DEFAULT_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+                   "TORCH_EXTENSIONS_DIR": f"{ROOT}/.cache/torch_extensions",
+                   "MALLOC_MMAP_THRESHOLD_": "4194304", "MALLOC_TRIM_THRESHOLD_": "4194304"}
+
+
+def cpu_default_argv(output_dir="./outputs/codegen-default"):
+    return ["deepspeed", "--num_gpus", "2", f"{ROOT}/codegeex_train/pretrain.py",
+            "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--max-position-embeddings",
+            "256", "--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--activation", "fast_gelu",
+            "--distributed-backend", "gloo", "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size",
+            "1", "--seq-length", "256", "--micro-batch-size", "8", "--global-batch-size", "16", "--train-iters",
+            "200", "--lr", "1.5e-3", "--min-lr", "0", "--lr-decay-style", "linear", "--lr-warmup-iters", "20",
+            "--weight-decay", "0.1", "--clip-grad", "1.0", "--adam-beta2", "0.95",
+            "--data-path", f"{ROOT}/.cache/data/stdlib_text_document", "--split", "969,30,1",
+            "--deepspeed-config", f"{ROOT}/ds_configs/cpu_fp32_zero2.json", "--zero-stage", "2",
+            "--save", output_dir, "--save-interval", "100", "--eval-interval", "100", "--eval-iters", "4",
+            "--log-interval", "10", "--num-workers", "1", "--exit-signal-handler"]
+
+
+def _executable(path: Path, text: str) -> None:
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+
+
+class Script:
+    """Runs the script in an empty working directory with fake `deepspeed`, `$PYTHON` and (optionally) `nvidia-smi`."""
+
+    def __init__(self, tmp_path: Path):
+        self.tmp = tmp_path
+        self.cwd = tmp_path / "cwd"
+        self.cwd.mkdir()
+        self.bin = tmp_path / "bin"
+        self.bin.mkdir()
+        self.calls = tmp_path / "calls"  # one line per fake launcher / python call
+        # The fake launcher records its argv and environment (NUL-separated) and exits 0.
+        _executable(self.bin / "deepspeed", '#!/bin/sh\necho deepspeed >> "$FAKE_CALLS"\n'
+                                            'printf "%s\\0" "$@" > "$FAKE_CALLS.argv"\nenv -0 > "$FAKE_CALLS.env"\n')
+        _executable(self.bin / "fake-python", '#!/bin/sh\necho "python $*" >> "$FAKE_CALLS"\nexit 1\n')
+        # Every PATH entry but those holding a real nvidia-smi (the tools the script uses: awk, grep, date, ...).
+        self.system_path = [d for d in os.environ.get("PATH", os.defpath).split(os.pathsep)
+                            if d and not (Path(d) / "nvidia-smi").exists()]
+
+    def fake_gpus(self, count: int) -> None:
+        lines = "".join(f"echo 'GPU {i}: NVIDIA H200 (UUID: GPU-{i:08x}-1111-2222-3333-444444444444)'\n"
+                        for i in range(count))
+        _executable(self.bin / "nvidia-smi", f'#!/bin/sh\n[ "$1" = -L ] || exit 1\n{lines}')
+
+    def run(self, *args: str, dry: bool = True, **variables: str) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items() if k not in SCRIPT_VARS}
+        env.update(PATH=os.pathsep.join([str(self.bin), *self.system_path]), PYTHON=str(self.bin / "fake-python"),
+                   FAKE_CALLS=str(self.calls), **variables)
+        if dry:
+            env["DRY_RUN"] = "1"
+        return subprocess.run(["bash", str(SCRIPT), *args], check=False, cwd=self.cwd, env=env, capture_output=True,
+                              text=True, timeout=60)
+
+    def launched(self) -> list:
+        return self.calls.read_text().splitlines() if self.calls.exists() else []
+
+
+@pytest.fixture
+def script(tmp_path) -> Script:
+    return Script(tmp_path)
+
+
+def dry_run(script: Script, *args: str, **variables: str):
+    """(layout, environment assignments, argv) of a dry run that must succeed, run nothing and write nothing."""
+    proc = script.run(*args, **variables)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert script.launched() == [], "a dry run ran something"
+    assert list(script.cwd.iterdir()) == [], "a dry run created files"
+    lines = proc.stdout.splitlines()
+    layout_line = next(line for line in lines if line.startswith("codegeex_train: layout "))
+    layout = dict(word.split("=", 1) for word in layout_line.split()[2:])
+    marker = next(i for i, line in enumerate(lines) if "The launch command (one line):" in line)
+    assert marker == len(lines) - 2, "the command is the last line"
+    words = shlex.split(lines[-1])
+    split = next(i for i, word in enumerate(words) if "=" not in word)
+    env = dict(word.split("=", 1) for word in words[:split])
+    return layout, env, words[split:]
+
+
+def flag(argv: list, name: str) -> str:
+    """The value pretrain.py gets for ``name`` (its last occurrence wins)."""
+    return argv[len(argv) - 1 - argv[::-1].index(name) + 1]
+
+
+def check_batch(layout: dict, argv: list) -> None:
+    micro, dp, global_batch = int(layout["MICRO_BATCH"]), int(layout["DP"]), int(layout["GLOBAL_BATCH"])
+    assert global_batch == micro * dp * int(layout["MICRO_BATCHES"])
+    assert int(layout["RANKS"]) == dp * int(layout["TP"]) * int(layout["PP"])
+    assert flag(argv, "--global-batch-size") == str(global_batch) and global_batch % (micro * dp) == 0
+    assert flag(argv, "--micro-batch-size") == str(micro)
+
+
+def test_one_gpu_runs_bf16_nccl_with_the_accelerator_left_to_deepspeed(script):
+    script.fake_gpus(1)
+    layout, env, argv = dry_run(script)
+    assert layout["DEVICE"] == "gpu" and layout["RANKS"] == "1" and layout["DP"] == "1"
+    assert "DS_ACCELERATOR" not in env and env == {}
+    assert not any("DS_ACCELERATOR" in word for word in argv)
+    assert argv[:3] == ["deepspeed", "--num_gpus", "1"]
+    assert flag(argv, "--distributed-backend") == "nccl" and "--bf16" in argv and "--fp16" not in argv
+    assert flag(argv, "--deepspeed-config") == f"{ROOT}/ds_configs/gpu_bf16_zero2.json"
+    check_batch(layout, argv)
+    assert layout["GLOBAL_BATCH"] == "8"
+
+
+def test_eight_gpus_give_dp_8_and_a_global_batch_that_follows(script):
+    script.fake_gpus(8)
+    layout, env, argv = dry_run(script)
+    assert (layout["DEVICE"], layout["NODES"], layout["RANKS"], layout["TP"], layout["PP"], layout["DP"]) == \
+        ("gpu", "1", "8", "1", "1", "8")
+    assert layout["GLOBAL_BATCH"] == str(8 * 8 * 1) and layout["MICRO_BATCHES"] == "1"
+    assert argv[:3] == ["deepspeed", "--num_gpus", "8"] and env == {}
+    assert flag(argv, "--distributed-backend") == "nccl" and "--bf16" in argv
+    check_batch(layout, argv)
+
+
+def test_two_nodes_from_a_hostfile_13b_tp8_pp2(script):
+    script.fake_gpus(8)
+    hostfile = script.tmp / "hostfile"
+    hostfile.write_text("# two nodes\nnode1 slots=8\n\nnode2 slots=8\n")
+    layout, env, argv = dry_run(script, HOSTFILE=str(hostfile), CONFIG="codegeex-13b", TP="8", PP="2")
+    assert (layout["CONFIG"], layout["DEVICE"], layout["NODES"], layout["RANKS"], layout["DP"]) == \
+        ("codegeex-13b", "gpu", "2", "16", "1")
+    assert layout["GLOBAL_BATCH"] == "1536" and layout["MICRO_BATCH"] == "8" and layout["MICRO_BATCHES"] == "192"
+    check_batch(layout, argv)
+    assert argv[:3] == ["deepspeed", "--hostfile", str(hostfile)] and "--num_gpus" not in argv
+    assert flag(argv, "--tensor-model-parallel-size") == "8" and flag(argv, "--pipeline-model-parallel-size") == "2"
+    assert flag(argv, "--num-layers") == "39" and flag(argv, "--distributed-backend") == "nccl" and "--bf16" in argv
+    assert flag(argv, "--save") == "./outputs/codegen-codegeex-13b"
+    # The other nodes' variables travel in OUTPUT_DIR/.deepspeed_env (written by a real run, not by a dry one).
+    assert env == {"DS_ENV_FILE": f"{script.cwd.resolve()}/outputs/codegen-codegeex-13b/.deepspeed_env"}
+
+
+def test_cpu_default_command_is_unchanged(script):
+    layout, env, argv = dry_run(script)
+    assert (layout["DEVICE"], layout["RANKS"], layout["DP"], layout["GLOBAL_BATCH"]) == ("cpu", "2", "2", "16")
+    assert env == CPU_DEFAULT_ENV
+    assert argv == cpu_default_argv()
+
+
+def test_dry_run_prints_what_a_real_run_launches(script):
+    """The real path, with the fake launcher: the same argv and environment as the dry run printed."""
+    out, data = script.tmp / "out", str(script.tmp / "data" / "code_text_document")  # the fake never reads it
+    _, env, argv = dry_run(script, OUTPUT_DIR=str(out), DATA_PATH=data)
+    proc = script.run(dry=False, OUTPUT_DIR=str(out), DATA_PATH=data)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert script.launched()[0] == "deepspeed"  # then plotting (the fake python, which fails: only a warning)
+    ran = (script.calls.parent / "calls.argv").read_bytes().decode().split("\0")[:-1]
+    assert ["deepspeed", *ran] == argv
+    ran_env = dict(item.split("=", 1) for item in
+                   (script.calls.parent / "calls.env").read_bytes().decode().split("\0")[:-1])
+    assert {k: ran_env.get(k) for k in env} == env
+    assert (out / "logs").is_dir() and "codegeex_train: finished" in proc.stdout
+
+
+def test_init_from_fine_tunes_until_output_dir_holds_a_checkpoint(script):
+    init, out = script.tmp / "released-13b", script.tmp / "run"
+    init.mkdir()
+    _, _, argv = dry_run(script, "--seed", "3", INIT_FROM=str(init), OUTPUT_DIR=str(out))
+    assert argv[-5:] == ["--load", str(init), "--finetune", "--seed", "3"]
+    out.mkdir()
+    (out / "latest").write_text("iter_0000100")
+    _, _, argv = dry_run(script, INIT_FROM=str(init), OUTPUT_DIR=str(out))
+    assert argv[-2:] == ["--load", str(out)] and "--finetune" not in argv and argv.count("--load") == 1
+    _, _, argv = dry_run(script)  # no INIT_FROM, no checkpoint: from scratch
+    assert "--load" not in argv and "--finetune" not in argv
+
+
+def test_a_load_argument_warns_that_it_overrides_the_resume(script):
+    proc = script.run("--load", "/ckpt/x")
+    assert proc.returncode == 0 and proc.stderr.startswith("warning: --load /ckpt/x")
+    assert "INIT_FROM=/ckpt/x" in proc.stderr
+
+
+@pytest.mark.parametrize("variables, layout", [
+    ({"PP": "2"}, {"DP": "1", "MICRO_BATCHES": "2", "GLOBAL_BATCH": "16"}),  # a pipeline: one micro-batch a stage
+    ({"TP": "2"}, {"DP": "1", "MICRO_BATCHES": "1", "GLOBAL_BATCH": "8"}),
+    ({"GLOBAL_BATCH": "64"}, {"DP": "2", "MICRO_BATCHES": "4", "GLOBAL_BATCH": "64"}),
+    ({"MICRO_BATCHES": "3", "MICRO_BATCH": "2"}, {"DP": "2", "MICRO_BATCHES": "3", "GLOBAL_BATCH": "12"}),
+    ({"DS_ACCELERATOR": "cpu", "gpus": 8}, {"DEVICE": "cpu", "RANKS": "2"}),  # DeepSpeed's own switch is honoured
+    ({"DEVICE": "gpu", "NUM_GPUS": "4", "TP": "2"}, {"RANKS": "4", "DP": "2", "GLOBAL_BATCH": "16"}),
+    ({"gpus": 8, "LAUNCHER_ARGS": "--num_gpus 4"}, {"RANKS": "4", "DP": "4", "GLOBAL_BATCH": "32"}),
+])
+def test_layouts(script, variables, layout):
+    variables = dict(variables)
+    if "gpus" in variables:
+        script.fake_gpus(variables.pop("gpus"))
+    got, _, argv = dry_run(script, **variables)
+    assert {k: got[k] for k in layout} == layout
+    check_batch(got, argv)
+
+
+def test_layout_flags_in_the_arguments_are_the_ones_checked(script):
+    script.fake_gpus(8)
+    layout, _, argv = dry_run(script, "--tensor-model-parallel-size=2", "--micro-batch-size", "4")
+    assert (layout["TP"], layout["DP"], layout["MICRO_BATCH"], layout["GLOBAL_BATCH"]) == ("2", "4", "4", "16")
+    check_batch(layout, argv)
+
+
+@pytest.mark.parametrize("gpus, variables, args, fragment", [
+    (8, {"TP": "3"}, (), "TP 3 x PP 1 = 3 does not divide the 8 ranks"),
+    (8, {"TP": "2", "PP": "3"}, (), "does not divide the 8 ranks"),
+    (8, {"GLOBAL_BATCH": "100"}, (), "GLOBAL_BATCH 100 is not divisible by MICRO_BATCH 8 x DP 8 = 64"),
+    (8, {}, ("--global-batch-size", "96"), "GLOBAL_BATCH 96 is not divisible"),
+    (8, {"GLOBAL_BATCH": "128", "MICRO_BATCHES": "3"}, (), "MICRO_BATCHES 3 disagrees"),
+    (0, {"DEVICE": "gpu"}, (), "nvidia-smi -L` lists no GPU"),
+    (8, {"DEVICE": "gpu", "DS_ACCELERATOR": "cpu"}, (), "DS_ACCELERATOR=cpu"),
+    (0, {"TP": "two"}, (), "TP=two: not a whole number"),
+    (0, {"MICRO_BATCH": "0"}, (), "MICRO_BATCH=0: must be at least 1"),
+    (0, {"CONFIG": "huge"}, (), "CONFIG=huge"),
+    (0, {"DEVICE": "tpu"}, (), "DEVICE=tpu"),
+    (0, {"INIT_FROM": "/nonexistent/ckpt"}, (), "INIT_FROM=/nonexistent/ckpt: no such directory"),
+    (0, {"HOSTFILE": "/nonexistent/hostfile"}, (), "no such file"),
+    (0, {"HOSTFILE": "{bad_hostfile}"}, (), "not a 'hostname slots=N' line: node2 gpus=8"),
+])
+@pytest.mark.parametrize("dry", [True, False], ids=["dry", "real"])
+def test_bad_layouts_are_refused_before_anything_runs(script, gpus, variables, args, fragment, dry):
+    if gpus:
+        script.fake_gpus(gpus)
+    bad_hostfile = script.tmp / "bad_hostfile"
+    bad_hostfile.write_text("node1 slots=8\nnode2 gpus=8\n")
+    variables = {k: v.format(bad_hostfile=bad_hostfile) for k, v in variables.items()}
+    proc = script.run(*args, dry=dry, **variables)
+    assert proc.returncode != 0
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], proc.stderr
+    assert proc.stdout == ""
+    assert script.launched() == [] and list(script.cwd.iterdir()) == []
