@@ -52,10 +52,16 @@ def tiny_data(tmp_path_factory) -> str:
 # below: the ones that take over ~4 s here (launchers, several gloo ranks training, whole-tool runs) except one
 # end-to-end case of every feature, which stays fast: pipeline parity at (TP, PP, DP) = (1, 2, 1) and the broken
 # tied-gradient hook, exact resume, the step against plain PyTorch at TP 1, the NaN stop at PP 2, one universal
-# resume pair, and HumanEval on a few tasks. Entries are node ids or their prefixes (a file, a test function).
+# resume pair, HumanEval on a few tasks, a fine-tuning start and its relaunch, the tokenizer a checkpoint records.
+# Entries are node ids or their prefixes (a file, a test function).
 SLOW = (
     "tests/cluster/",
     "tests/accounting/test_comm_accounting.py::test_counter_volumes_groups_and_restore",
+    "tests/benchmarks/test_gpu_check.py",
+    "tests/checkpoint/test_finetune.py::test_finetune_starts_a_fresh_run_from_the_weights[universal]",
+    "tests/checkpoint/test_finetune.py::test_finetune_starts_a_fresh_run_from_the_weights[weights]",
+    "tests/checkpoint/test_finetune.py::test_no_load_optim_restores_all_but_the_optimizer",
+    "tests/checkpoint/test_finetune.py::test_no_load_rng_restores_all_but_the_rng",
     "tests/accounting/test_comm_accounting.py::test_tp_bytes_equal_the_seed_formula",
     "tests/checkpoint/test_safe_loading.py::test_convert_refuses_a_tampered_checkpoint",
     "tests/checkpoint/test_safe_loading.py::test_genuine_deepspeed_checkpoint_passes",
@@ -79,6 +85,8 @@ SLOW = (
     "tests/tensor_parallel/test_tp_layers.py::test_layers_match_dense_reference[4-",
     "tests/test_testing.py::test_run_process_group_kills_the_grandchildren_on_timeout",
     "tests/training/test_accounting_runs.py::test_metrics_hold_bytes_by_group_beside_theory",
+    "tests/training/test_accounting_runs.py::test_memory_parts_measured_match_theory",
+    "tests/training/test_accounting_runs.py::test_planner_predicts_the_measured_run",
     "tests/training/test_batch_and_lr.py",
     "tests/training/test_humaneval_during_training.py",
     "tests/training/test_launchers.py",

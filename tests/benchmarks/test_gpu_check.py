@@ -71,7 +71,6 @@ def test_smoke_run_reports_every_row(tmp_path):
     assert d["rows_identical"] == d["batch"] and d["lengths_ok"]  # fp32: ours and HF generate agree exactly
 
 
-@pytest.mark.slow
 def test_a_failing_section_is_a_row_and_the_others_still_run(tmp_path):
     proc, report = gpu_check(tmp_path, "--sections", "c", "d", "--inject-error", "c", "--inject-oom", "c-recompute",
                              "--inject-hang", "d", "--budget", "d=10")

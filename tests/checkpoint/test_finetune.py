@@ -126,8 +126,7 @@ def test_the_checkpoints_are_of_each_kind(pretrained):
 
 
 # The fast tier (tests/conftest.py) keeps one case of each feature: the training checkpoint's here.
-@pytest.mark.parametrize("kind", ["training", pytest.param("universal", marks=pytest.mark.slow),
-                                  pytest.param("weights", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", ["training", "universal", "weights"])
 def test_finetune_starts_a_fresh_run_from_the_weights(pretrained, finetuned, kind):
     run, fresh = finetuned(kind), pretrained["seen"][0]
     seen = run["seen"]
@@ -170,8 +169,8 @@ def test_relaunching_a_finetune_resumes_from_save(pretrained, finetuned, tiny_da
 
 @pytest.mark.parametrize("kind, world", [
     pytest.param("training", 2, id="training_dp2"),
-    pytest.param("training", 1, id="training_saved_at_dp2_loaded_at_dp1", marks=pytest.mark.slow),
-    pytest.param("universal", 2, id="universal_dp2", marks=pytest.mark.slow),
+    pytest.param("training", 1, id="training_saved_at_dp2_loaded_at_dp1"),
+    pytest.param("universal", 2, id="universal_dp2"),
 ])
 def test_no_load_optim_restores_all_but_the_optimizer(pretrained, tiny_data, kind, world):
     save = pretrained["root"] / f"no_load_optim_{kind}_dp{world}"
