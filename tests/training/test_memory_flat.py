@@ -1,7 +1,7 @@
 """Memory per rank stays flat after warm-up: 200 iterations of the tiny model on 2 gloo ranks, each rank's
 current RSS (not the peak) sampled after a few optimizer steps. A leak that a long run would die of (each
 step's loss kept with its graph, ...) grows it; the allocator's fragmentation is kept off by the fixed glibc
-malloc thresholds that pretrain.main sets on CPU (codegeex_train/training/malloc.py)."""
+malloc thresholds that pretrain.main sets on CPU (codegeex_train/distributed/malloc.py)."""
 
 import ctypes
 import gc
@@ -16,10 +16,10 @@ from codegeex_train.training import stage, trainer
 ITERS = 200
 WARM = 50  # iterations before the first sample: optimizer states, DeepSpeed buffers, caches all exist by then
 SAMPLES = (WARM, 100, 150, ITERS)
-# From iteration WARM to ITERS, per rank. Measured here: +0.5 to +1.4 MB with the fixed thresholds, up to +7 MB
-# with glibc's adaptive ones; each micro-batch's loss kept with its graph (leak="loss_graph", ~43 KB a
-# micro-batch) adds +26 MB and fails this.
-MAX_GROWTH_MB = 8.0
+# From iteration WARM to ITERS, per rank, with the fixed thresholds: +0.5 to +1.4 MB when first measured; later, on
+# a busier machine, -2.9 to +5.2 MB over twelve runs and once +9.7 MB (a CI run), with no trend between samples.
+# Each micro-batch's loss kept with its graph (leak="loss_graph") grows it by +120 to +184 MB and fails this.
+MAX_GROWTH_MB = 16.0
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")
 
