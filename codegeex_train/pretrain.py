@@ -31,7 +31,7 @@ import torch.distributed as dist
 from codegeex_train.accounting import Workload, expected_memory_report
 from codegeex_train.checkpoint.resume import Resume, preflight_load, restore
 from codegeex_train.checkpoint.train_state import TrainState
-from codegeex_train.config.arguments import Args, ConfigError, parse_args, validate
+from codegeex_train.config.arguments import Args, ConfigError, parse_args, recompute_from_args, validate
 from codegeex_train.config.deepspeed import build_deepspeed_config, load_user_config
 from codegeex_train.data.tokenizer import Tokenizer, load_tokenizer
 from codegeex_train.distributed.cluster import (
@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> TrainState:
     tracker = model_parallel_seed(t.seed + 100 * topology.pp_rank, topology.tp_rank, device)
     model = CodeGeeXModel(args.model, topology.tp_group, tracker, seed=t.seed, pre_process=topology.is_first_stage,
                           post_process=topology.is_last_stage, layer_numbers=layout.stage_layers[topology.pp_rank],
-                          checkpoint_activations=t.checkpoint_activations, device=device)
+                          sequence_parallel=args.parallel.sequence_parallel, recompute=recompute_from_args(args),
+                          device=device)
     mark_shared_embedding_copy(model, topology)
     workload = Workload.from_run(args, layout, ds_config, device.type)
     if topology.rank == 0:
@@ -183,7 +184,8 @@ def main(argv: list[str] | None = None) -> TrainState:
                            run_config={**run_config, "cluster": cluster}, train_iters=t.train_iters,
                            start_iteration=state.iteration, resume_wandb_id=state.wandb_run_id)
     logger.log_metadata({"iteration": state.iteration, "cluster": cluster})
-    flops = model_flops_per_iteration(args.model, layout.global_batch_size, t.seq_length, t.checkpoint_activations)
+    flops = model_flops_per_iteration(args.model, layout.global_batch_size, t.seq_length,
+                                      recompute_from_args(args).is_full)
     peak = args.logging.peak_tflops * 1e12 if args.logging.peak_tflops else None
     exit_conditions = ExitConditions(signal_handler=t.exit_signal_handler, duration_mins=t.exit_duration_in_mins,
                                      start_time=start_time, device=device)

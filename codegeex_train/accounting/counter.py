@@ -29,8 +29,10 @@ _VOLUME = {
     "broadcast": ("tensor", 1),
     "all_gather": ("tensor_list", 1),
     "all_gather_into_tensor": ("output_tensor", 1),
+    "all_gather_single": ("output_tensor", 1),  # newer torch's name for the one above
     "reduce_scatter": ("input_list", 1),
     "reduce_scatter_tensor": ("input", 1),
+    "reduce_scatter_single": ("input", 1),
     "all_to_all_single": ("input", 1),
     "send": ("tensor", 1),
     "batch_isend_irecv": ("p2p_op_list", 1),  # counted op by op: the sends only

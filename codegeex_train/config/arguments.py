@@ -13,6 +13,10 @@ from dataclasses import dataclass
 
 from codegeex_train.config import megatron_flags
 from codegeex_train.config.model import ModelConfig, ModelConfigError
+from codegeex_train.config.recompute import GRANULARITIES as RECOMPUTE_GRANULARITIES
+from codegeex_train.config.recompute import METHODS as RECOMPUTE_METHODS
+from codegeex_train.config.recompute import MODULES as RECOMPUTE_MODULES
+from codegeex_train.config.recompute import Recompute
 from codegeex_train.config.options import FlagParser, add_foreign_flags, build_parser, dataclass_from_args, option
 from codegeex_train.distributed.layout import Layout
 from codegeex_train.distributed.topology import ParallelConfigError, ParallelDims
@@ -35,6 +39,10 @@ class ParallelConfig:
                                                            "split evenly over the others")
     decoder_last_pipeline_num_layers: int | None = option(None, "layers on the last pipeline stage (it also holds "
                                                           "the final LayerNorm, top query layer and output layer)")
+    sequence_parallel: bool = option(False, "Megatron's sequence parallelism (TP > 1): the activations between the "
+                                     "TP regions (LayerNorms, dropouts, residual adds) are split along the sequence "
+                                     "over the TP group; same bytes as TP, about 1/TP of their memory. "
+                                     "--seq-length must divide by the TP size")
     distributed_backend: str = option("auto", "torch.distributed backend; auto = nccl on GPU, gloo on CPU",
                                       choices=("auto", "nccl", "gloo"))
     distributed_timeout_minutes: float = option(10.0, "bound on every wait: forming the job (a node that "
@@ -55,7 +63,19 @@ class TrainConfig:
     seed: int = option(1234, "random seed (initialisation, data order, dropout)")
     fp16: bool = option(False, "fp16 mixed precision with dynamic loss scaling (GPU)")
     bf16: bool = option(False, "bf16 mixed precision")
-    checkpoint_activations: bool = option(False, "recompute each layer's activations in backward")
+    checkpoint_activations: bool = option(False, "recompute each layer's activations in backward (= "
+                                          "--recompute-granularity full)")
+    recompute_granularity: str | None = option(None, "full: re-run whole layers in backward (see the two flags "
+                                               "below); selective: re-run only cheap, memory-heavy parts "
+                                               "(--recompute-modules)", choices=RECOMPUTE_GRANULARITIES)
+    recompute_method: str | None = option(None, "full recompute: uniform = the stage's layers in units of "
+                                          "--recompute-num-layers (default), block = only the first "
+                                          "--recompute-num-layers layers of each stage", choices=RECOMPUTE_METHODS)
+    recompute_num_layers: int | None = option(None, "full recompute: layers per unit (uniform) or layers "
+                                              "recomputed per stage (block); default 1")
+    recompute_modules: list[str] | None = option(None, "selective recompute: any of core_attn (the attention "
+                                                 "core, default), mlp_act (the MLP activation's output), layernorm "
+                                                 "(the LayerNorm outputs)")
     save: str | None = option(None, "directory to save checkpoints to")
     load: str | None = option(None, "directory to resume from (its 'latest' checkpoint)")
     finetune: bool = option(False, "start a new run from the model weights of --load only (a training, universal or "
@@ -210,6 +230,30 @@ def parse_args(argv: list[str] | None = None) -> Args:
     return Args(**{name: dataclass_from_args(cls, ns) for name, cls in SECTIONS.items()})
 
 
+def recompute_from_args(args: Args) -> Recompute:
+    """The run's Recompute from --checkpoint-activations and the --recompute-* flags; ConfigError when they clash."""
+    t = args.train
+    granularity = t.recompute_granularity
+    if t.checkpoint_activations:
+        if granularity == "selective":
+            raise ConfigError("--checkpoint-activations (full recompute) and --recompute-granularity selective "
+                              "clash: keep one")
+        granularity = "full"
+    if granularity != "full" and (t.recompute_method is not None or t.recompute_num_layers is not None):
+        raise ConfigError("--recompute-method and --recompute-num-layers go with --recompute-granularity full "
+                          "(or --checkpoint-activations)")
+    if granularity != "selective" and t.recompute_modules is not None:
+        raise ConfigError("--recompute-modules goes with --recompute-granularity selective")
+    if t.recompute_num_layers is not None and not 1 <= t.recompute_num_layers <= args.model.num_layers:
+        raise ConfigError(f"--recompute-num-layers {t.recompute_num_layers} must be within 1..--num-layers "
+                          f"{args.model.num_layers}")
+    unknown = sorted(set(t.recompute_modules or ()) - set(RECOMPUTE_MODULES))
+    if unknown:
+        raise ConfigError(f"--recompute-modules {' '.join(unknown)}: choose from {', '.join(RECOMPUTE_MODULES)}")
+    return Recompute(granularity, t.recompute_method or "uniform", t.recompute_num_layers or 1,
+                     tuple(dict.fromkeys(t.recompute_modules or ("core_attn",))))
+
+
 def validate(args: Args, world_size: int) -> Layout:
     """Every rule that spans sections, in order; raises ConfigError naming the flags."""
     t, o, d = args.train, args.optim, args.data
@@ -267,6 +311,14 @@ def validate(args: Args, world_size: int) -> Layout:
         raise ConfigError("--lr-warmup-iters and --lr-warmup-fraction are exclusive")
     if o.min_lr > o.lr:
         raise ConfigError(f"--min-lr {o.min_lr} is above --lr {o.lr}")
+    recompute_from_args(args)  # raises ConfigError
+    if args.parallel.sequence_parallel:
+        if dims.tp_size == 1:
+            warnings.warn("--sequence-parallel with --tensor-model-parallel-size 1 does nothing (no TP group to split "
+                          "the sequence over)", stacklevel=2)
+        elif t.seq_length % dims.tp_size:
+            raise ConfigError(f"--sequence-parallel splits --seq-length {t.seq_length} over --tensor-model-parallel-"
+                              f"size {dims.tp_size}: use a sequence length divisible by {dims.tp_size}")
     if args.parallel.distributed_timeout_minutes <= 0:
         raise ConfigError(f"--distributed-timeout-minutes {args.parallel.distributed_timeout_minutes} must be "
                           f"above 0 (it bounds every wait; Megatron's default is 10)")

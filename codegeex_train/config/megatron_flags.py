@@ -60,7 +60,8 @@ PRETRAIN: dict[str, ForeignFlag] = {
             "--make-vocab-size-divisible-by --hidden-dropout --attention-dropout --init-method-std "
             "--tensor-model-parallel-size --pipeline-model-parallel-size --decoder-first-pipeline-num-layers "
             "--decoder-last-pipeline-num-layers --distributed-timeout-minutes --micro-batch-size "
-            "--global-batch-size --seq-length --seed --bf16 --checkpoint-activations --save --load "
+            "--global-batch-size --seq-length --seed --bf16 --checkpoint-activations --sequence-parallel "
+            "--recompute-granularity --recompute-method --recompute-num-layers --save --load "
             "--save-interval --eval-interval --exit-interval --exit-signal-handler --exit-duration-in-mins "
             "--no-check-for-nan-in-loss-and-grad --optimizer --min-lr --lr-decay-iters --lr-warmup-iters "
             "--lr-warmup-fraction --weight-decay --clip-grad --adam-beta1 --adam-beta2 --adam-eps --sgd-momentum "
@@ -99,8 +100,10 @@ PRETRAIN: dict[str, ForeignFlag] = {
     "--exit-on-missing-checkpoint": ForeignFlag(IGNORED, "(always on)", "a --load without a checkpoint is always "
                                                                       "an error"),
     # --- refused: the line names ours ---
-    **_refused("--sequence-parallel --ds-sequence-parallel-size", "--tensor-model-parallel-size (without "
-               "sequence parallelism)", "not yet: activations outside attention and MLP are replicated over TP"),
+    **_same("--recompute-modules", "core_attn (default), mlp_act (Megatron-core: moe_act for MoE), layernorm"),
+    "--ds-sequence-parallel-size": ForeignFlag(REFUSED, "--sequence-parallel (Megatron's, within TP)",
+                                               "not supported: DeepSpeed-Ulysses splits attention heads over ranks "
+                                               "by all-to-all"),
     **_refused("--context-parallel-size", "--tensor-model-parallel-size, --pipeline-model-parallel-size",
                "not supported: a sequence is not split over ranks"),
     "--use-flash-attn": ForeignFlag(REFUSED, DROP, "attention is torch's scaled_dot_product_attention (SDPA), "
@@ -110,13 +113,9 @@ PRETRAIN: dict[str, ForeignFlag] = {
                "one model implementation (CodeGeeX's, plain PyTorch), neither Megatron Core's nor Megatron's legacy"),
     **_refused("--num-layers-per-virtual-pipeline-stage --num-virtual-stages-per-pipeline-rank",
                "--pipeline-model-parallel-size (plain 1F1B)", "not yet: no interleaved (virtual) pipeline stages"),
-    "--recompute-granularity": ForeignFlag(REFUSED, "--checkpoint-activations (full recompute)",
-                                           "not yet: no selective recompute"),
-    **_refused("--recompute-method --recompute-num-layers", "--checkpoint-activations (every layer)",
-               "not yet: all layers are recomputed or none"),
     **_refused("--deepspeed-activation-checkpointing --partition-activations --checkpoint-in-cpu",
-               "--checkpoint-activations", "DeepSpeed's activation checkpointing is not used (ours recomputes "
-               "each layer)"),
+               "--recompute-granularity", "DeepSpeed's activation checkpointing is not used (ours recomputes "
+               "whole layers or selected parts)"),
     "--train-samples": ForeignFlag(REFUSED, "--train-iters (= samples / --global-batch-size)",
                                    "training length is counted in iterations"),
     "--lr-decay-samples": ForeignFlag(REFUSED, "--lr-decay-iters", "the schedule is counted in iterations"),

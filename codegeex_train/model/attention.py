@@ -8,6 +8,11 @@ column-parallel input gives the one all-reduce backward.
 Incremental decoding (codegeex_train/generation) passes a ``KVCache`` slot to each attention: the keys and
 values of this step's tokens are written into it and the queries attend over every cached position. Without
 a cache (training, evaluation) the code path is the one above, unchanged.
+
+Sequence parallelism changes only the ends: the projections' inputs arrive split along the sequence and are
+all-gathered, the output projection reduce-scatters; the heads in between see the whole sequence. Selective
+recompute of ``core_attn`` keeps the queries, keys and values and re-runs the attention itself in backward (with
+the forward's dropout masks: ``checkpoint`` restores the RNG streams).
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from codegeex_train.config.model import ModelConfig
+from codegeex_train.config.recompute import Recompute
 from codegeex_train.model.init import ParamInit
-from codegeex_train.tensor_parallel import ColumnParallelLinear, RNGStatesTracker, RowParallelLinear, divide
+from codegeex_train.tensor_parallel import ColumnParallelLinear, RNGStatesTracker, RowParallelLinear, checkpoint, divide
 from codegeex_train.tensor_parallel.mappings import ProcessGroup, group_size
 
 
@@ -116,27 +122,38 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim
     return ctx.transpose(1, 2).reshape(b, s, -1)  # (b, s, h/tp)
 
 
+def core_attention(q, k, v, head_dim: int, dropout_p: float, rng_tracker: RNGStatesTracker | None,
+                   cache: KVCacheSlot | None, recompute: bool) -> torch.Tensor:
+    """``causal_attention``, re-run in backward instead of kept when ``recompute`` (training with grad only)."""
+    if recompute and cache is None and torch.is_grad_enabled():
+        return checkpoint(lambda q_, k_, v_: causal_attention(q_, k_, v_, head_dim, dropout_p, rng_tracker),
+                          rng_tracker, q, k, v)
+    return causal_attention(q, k, v, head_dim, dropout_p, rng_tracker, cache)
+
+
 class ParallelSelfAttention(nn.Module):
     """GPT-2 attention: fused QKV column-parallel (stride 3), causal SDPA, row-parallel output."""
 
     def __init__(self, config: ModelConfig, tp_group: ProcessGroup | None, rng_tracker: RNGStatesTracker | None,
-                 init: ParamInit, prefix: str, *, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None):
+                 init: ParamInit, prefix: str, *, sequence_parallel: bool = False, recompute: Recompute = Recompute(),
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
         super().__init__()
-        h = config.hidden_size
+        h, sp = config.hidden_size, sequence_parallel
         self.head_dim, self.dropout_p, self.rng_tracker = config.head_dim, config.attention_dropout, rng_tracker
+        self.recompute_core = recompute.selects("core_attn")
         self.hidden_per_partition = divide(h, group_size(tp_group), "hidden size")
-        self.query_key_value = ColumnParallelLinear(h, 3 * h, tp_group, stride=3, dtype=dtype, device=device,
+        self.query_key_value = ColumnParallelLinear(h, 3 * h, tp_group, stride=3, sequence_parallel=sp, dtype=dtype,
+                                                    device=device,
                                                     init_method=init.normal(prefix + "query_key_value.weight"))
-        self.dense = RowParallelLinear(h, h, tp_group, input_is_parallel=True, dtype=dtype, device=device,
-                                       init_method=init.scaled(prefix + "dense.weight"))
+        self.dense = RowParallelLinear(h, h, tp_group, input_is_parallel=True, sequence_parallel=sp, dtype=dtype,
+                                       device=device, init_method=init.scaled(prefix + "dense.weight"))
 
     def forward(self, x: torch.Tensor, cache: KVCacheSlot | None = None) -> torch.Tensor:
         qkv = self.query_key_value(x)  # (b, s, 3h/tp) = [q_r | k_r | v_r]
         q, k, v = qkv.split(self.hidden_per_partition, dim=-1)  # 3 x (b, s, h/tp)
         p = self.dropout_p if self.training else 0.0
-        ctx = causal_attention(q, k, v, self.head_dim, p, self.rng_tracker, cache)  # (b, s, h/tp)
-        return self.dense(ctx)  # (b, s, h)
+        ctx = core_attention(q, k, v, self.head_dim, p, self.rng_tracker, cache, self.recompute_core)  # (b, s, h/tp)
+        return self.dense(ctx)  # (b, s, h), or (b, s/tp, h) under SP
 
 
 class TopQueryAttention(nn.Module):
@@ -144,22 +161,23 @@ class TopQueryAttention(nn.Module):
     queries from a separate embedding of the position (query i predicts token i + 1)."""
 
     def __init__(self, config: ModelConfig, tp_group: ProcessGroup | None, rng_tracker: RNGStatesTracker | None,
-                 init: ParamInit, prefix: str, *, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None):
+                 init: ParamInit, prefix: str, *, sequence_parallel: bool = False, recompute: Recompute = Recompute(),
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
         super().__init__()
-        h = config.hidden_size
+        h, sp = config.hidden_size, sequence_parallel
         self.head_dim, self.dropout_p, self.rng_tracker = config.head_dim, config.attention_dropout, rng_tracker
+        self.recompute_core = recompute.selects("core_attn")
         self.hidden_per_partition = divide(h, group_size(tp_group), "hidden size")
-        self.query = ColumnParallelLinear(h, h, tp_group, dtype=dtype, device=device,
+        self.query = ColumnParallelLinear(h, h, tp_group, sequence_parallel=sp, dtype=dtype, device=device,
                                           init_method=init.normal(prefix + "query.weight"))
-        self.key_value = ColumnParallelLinear(h, 2 * h, tp_group, stride=2, dtype=dtype, device=device,
-                                              init_method=init.normal(prefix + "key_value.weight"))
-        self.dense = RowParallelLinear(h, h, tp_group, input_is_parallel=True, dtype=dtype, device=device,
-                                       init_method=init.scaled(prefix + "dense.weight"))
+        self.key_value = ColumnParallelLinear(h, 2 * h, tp_group, stride=2, sequence_parallel=sp, dtype=dtype,
+                                              device=device, init_method=init.normal(prefix + "key_value.weight"))
+        self.dense = RowParallelLinear(h, h, tp_group, input_is_parallel=True, sequence_parallel=sp, dtype=dtype,
+                                       device=device, init_method=init.scaled(prefix + "dense.weight"))
 
     def forward(self, x: torch.Tensor, query_embeds: torch.Tensor, cache: KVCacheSlot | None = None) -> torch.Tensor:
         q = self.query(query_embeds)  # (b, s, h/tp)
         k, v = self.key_value(x).split(self.hidden_per_partition, dim=-1)  # 2 x (b, s, h/tp)
         p = self.dropout_p if self.training else 0.0
-        ctx = causal_attention(q, k, v, self.head_dim, p, self.rng_tracker, cache)  # (b, s, h/tp)
-        return self.dense(ctx)  # (b, s, h)
+        ctx = core_attention(q, k, v, self.head_dim, p, self.rng_tracker, cache, self.recompute_core)  # (b, s, h/tp)
+        return self.dense(ctx)  # (b, s, h), or (b, s/tp, h) under SP

@@ -12,6 +12,11 @@ A stage without ``pre_process`` takes hidden states (b, s, h) instead of ids; on
 ``post_process`` returns hidden states. Position ids are always passed: the last stage's top query layer
 looks its queries up by position. Parameter names use global layer numbers (``layers.7.mlp...``), so a
 stage's state dict keys and initial values do not depend on how the layers are split.
+
+Training options that change no parameter: ``sequence_parallel`` (hidden states between stages and layers are
+(b, s/tp, h): each TP rank holds its part of the sequence; the output layer gathers it) and ``recompute``
+(config/recompute.py: full layers or selected parts re-run in backward). A checkpoint saved with either loads
+without it. Decoding with a KV cache never splits the sequence: build the model without ``sequence_parallel``.
 """
 
 from __future__ import annotations
@@ -20,10 +25,16 @@ import torch
 from torch import nn
 
 from codegeex_train.config.model import ModelConfig
+from codegeex_train.config.recompute import Recompute
 from codegeex_train.model.attention import KVCache
 from codegeex_train.model.embedding import ReplicatedEmbedding, parallel_lm_logits, word_embeddings
 from codegeex_train.model.init import ParamInit
-from codegeex_train.model.transformer import ParallelTransformerLayer, TopQueryLayer, layer_norm
+from codegeex_train.model.transformer import (
+    ParallelTransformerLayer,
+    TopQueryLayer,
+    layer_norm,
+    sequence_parallel_dropout,
+)
 from codegeex_train.tensor_parallel import RNGStatesTracker, checkpoint, vocab_parallel_cross_entropy
 from codegeex_train.tensor_parallel.mappings import ProcessGroup, group_rank, group_size
 
@@ -34,34 +45,45 @@ class CodeGeeXModel(nn.Module):
     def __init__(self, config: ModelConfig, tp_group: ProcessGroup | None, rng_tracker: RNGStatesTracker | None, *,
                  seed: int = 1234, pre_process: bool = True, post_process: bool = True,
                  layer_numbers: range | None = None, checkpoint_activations: bool = False,
+                 sequence_parallel: bool = False, recompute: Recompute | None = None,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
         super().__init__()
         config.validate(group_size(tp_group))  # a bad shape fails here, before any weight or collective
         self.config, self.tp_group, self.rng_tracker = config, tp_group, rng_tracker
         self.pre_process, self.post_process = pre_process, post_process
-        self.checkpoint_activations = checkpoint_activations
+        if recompute is None:  # --checkpoint-activations: full recompute of every layer
+            recompute = Recompute.full() if checkpoint_activations else Recompute()
+        self.recompute = recompute
+        self.sequence_parallel = sequence_parallel and group_size(tp_group) > 1
         self.layer_numbers = range(config.num_layers) if layer_numbers is None else layer_numbers
         if self.layer_numbers and (self.layer_numbers[0] < 0 or self.layer_numbers[-1] >= config.num_layers):
             raise ValueError(f"layer_numbers {self.layer_numbers} outside 0..{config.num_layers - 1} (--num-layers)")
         init = ParamInit(seed, config.init_method_std, config.num_layers)
         h, kw = config.hidden_size, {"dtype": dtype, "device": device}
+        sp, sp_group = self.sequence_parallel, tp_group if self.sequence_parallel else None
+        layer_kw = {**kw, "sequence_parallel": sp, "recompute": recompute}
 
         if pre_process or post_process:
-            self.word_embeddings = word_embeddings(config.padded_vocab_size, h, tp_group, init, **kw)
+            self.word_embeddings = word_embeddings(config.padded_vocab_size, h, tp_group, init, sequence_parallel=sp,
+                                                   **kw)
         if pre_process:
             self.position_embeddings = ReplicatedEmbedding(config.max_position_embeddings, h, init,
-                                                           "position_embeddings.weight", **kw)
+                                                           "position_embeddings.weight", sp_group=sp_group, **kw)
         # Keys are global layer numbers: the names (and so the init seeds) are the same at every PP split.
         self.layers = nn.ModuleDict({
-            str(i): ParallelTransformerLayer(config, tp_group, rng_tracker, init, f"layers.{i}.", **kw)
+            str(i): ParallelTransformerLayer(config, tp_group, rng_tracker, init, f"layers.{i}.", **layer_kw)
             for i in self.layer_numbers
         })
         if post_process:
-            self.final_layernorm = layer_norm(config, dtype, device)
+            self.final_layernorm = layer_norm(config, dtype, device, sp_group)
             if config.top_query_layer:
                 self.top_query_embeddings = ReplicatedEmbedding(config.max_position_embeddings, h, init,
-                                                                "top_query_embeddings.weight", **kw)
-                self.top_query_layer = TopQueryLayer(config, tp_group, rng_tracker, init, "top_query_layer.", **kw)
+                                                                "top_query_embeddings.weight", sp_group=sp_group, **kw)
+                self.top_query_layer = TopQueryLayer(config, tp_group, rng_tracker, init, "top_query_layer.",
+                                                     **layer_kw)
+        units = recompute.full_units(len(self.layer_numbers))
+        self._unit_of = {i: unit for unit in units for i in unit}  # layer index in the stage -> its unit
+        self._recompute_top_query = recompute.covers_top_query_layer(len(self.layer_numbers))
 
     @property
     def tp_size(self) -> int:
@@ -71,10 +93,32 @@ class CodeGeeXModel(nn.Module):
     def tp_rank(self) -> int:
         return group_rank(self.tp_group)
 
-    def _run(self, fn, *tensors: torch.Tensor) -> torch.Tensor:
-        if self.checkpoint_activations and self.training and torch.is_grad_enabled():
-            return checkpoint(fn, self.rng_tracker, *tensors)  # restores both RNG streams on recompute
-        return fn(*tensors)
+    @property
+    def checkpoint_activations(self) -> bool:
+        return self.recompute.is_full
+
+    def _recomputing(self) -> bool:
+        return self.training and torch.is_grad_enabled()
+
+    def _run_layers(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The stage's layers in order; under full recompute each unit keeps its input only."""
+        layers = list(self.layers.values())
+        i = 0
+        while i < len(layers):
+            unit = self._unit_of.get(i) if self._recomputing() else None
+            if unit is None:
+                hidden = layers[i](hidden)
+                i += 1
+                continue
+
+            def run(x, chunk=tuple(layers[j] for j in unit)):
+                for layer in chunk:
+                    x = layer(x)
+                return x
+
+            hidden = checkpoint(run, self.rng_tracker, hidden)  # restores both RNG streams on recompute
+            i = unit[-1] + 1
+        return hidden
 
     def new_kv_cache(self, batch_size: int, capacity: int) -> KVCache:
         """An empty KVCache for this stage's attentions (its layers, then the top query layer), this rank's heads,
@@ -105,14 +149,21 @@ class CodeGeeXModel(nn.Module):
             raise ValueError("labels (the training loss) go with neither kv_cache nor last_token_only")
         if kv_cache is not None:
             kv_cache.begin(position_ids.shape[-1], attention_mask)
+        if self.sequence_parallel and kv_cache is not None:
+            raise ValueError("decoding with a KV cache splits no sequence: build the model without sequence_parallel")
         if self.pre_process:
-            words = self.word_embeddings(inputs)  # (b, s, h), all-reduced over TP
+            words = self.word_embeddings(inputs)  # (b, s, h) all-reduced over TP; SP: (b, s/tp, h) reduce-scattered
             hidden = words + self.position_embeddings(position_ids)
-            hidden = nn.functional.dropout(hidden, self.config.hidden_dropout, self.training)  # replicated: default RNG
+            # replicated: the default stream; split along the sequence (SP): the per-TP-rank stream
+            hidden = sequence_parallel_dropout(hidden, self.config.hidden_dropout, self.training, self.rng_tracker,
+                                               self.sequence_parallel)
         else:
-            hidden = inputs  # (b, s, h) from the previous stage
-        for slot, layer in enumerate(self.layers.values()):
-            hidden = self._run(layer, hidden) if kv_cache is None else layer(hidden, cache=kv_cache.slot(slot))
+            hidden = inputs  # (b, s, h), or (b, s/tp, h) under SP, from the previous stage
+        if kv_cache is None:
+            hidden = self._run_layers(hidden)
+        else:
+            for slot, layer in enumerate(self.layers.values()):
+                hidden = layer(hidden, cache=kv_cache.slot(slot))
         if not self.post_process:
             if kv_cache is not None:
                 kv_cache.commit()
@@ -120,9 +171,11 @@ class CodeGeeXModel(nn.Module):
 
         hidden = self.final_layernorm(hidden)
         if self.config.top_query_layer:
-            queries = self.top_query_embeddings(position_ids)  # (b, s, h)
-            if kv_cache is None:
-                hidden = self._run(self.top_query_layer, hidden, queries)
+            queries = self.top_query_embeddings(position_ids)  # (b, s, h), or (b, s/tp, h) under SP
+            if kv_cache is None and self._recompute_top_query and self._recomputing():
+                hidden = checkpoint(self.top_query_layer, self.rng_tracker, hidden, queries)
+            elif kv_cache is None:
+                hidden = self.top_query_layer(hidden, queries)
             else:  # keys/values from the final hidden states, cached like every layer's
                 hidden = self.top_query_layer(hidden, queries, cache=kv_cache.slot(len(self.layers)))
         if kv_cache is not None:
@@ -130,7 +183,8 @@ class CodeGeeXModel(nn.Module):
         if last_token_only:
             hidden = hidden[:, -1:]
         logits = parallel_lm_logits(hidden, self.word_embeddings.weight, self.tp_group,
-                                    gather=gather_logits and labels is None)  # (b, s, v/tp)
+                                    gather=gather_logits and labels is None,
+                                    sequence_parallel=self.sequence_parallel)  # (b, s, v/tp)
         if labels is None:
             return logits
         # The logits are ours alone (nothing in autograd keeps them): the loss overwrites them in place.

@@ -10,40 +10,58 @@ from codegeex_train.model.init import ParamInit
 from codegeex_train.tensor_parallel import (
     VocabParallelEmbedding,
     copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
+    mark_sequence_parallel,
+    sequence_parallel_parameter,
 )
-from codegeex_train.tensor_parallel.mappings import ProcessGroup
+from codegeex_train.tensor_parallel.mappings import ProcessGroup, group_rank, group_size
 
 
 class ReplicatedEmbedding(nn.Module):
-    """A plain lookup table every TP rank holds whole (positions, CodeGeeX's top queries)."""
+    """A plain lookup table every TP rank holds whole (positions, CodeGeeX's top queries).
+
+    ``sp_group`` (sequence parallelism): look up this rank's part of the sequence only, (b, s/tp, h); the table's
+    gradient is then a partial sum, completed over TP (``sequence_parallel_parameter``)."""
 
     def __init__(self, num: int, dim: int, init: ParamInit, name: str, *, dtype: torch.dtype = torch.float32,
-                 device=None):
+                 device=None, sp_group: ProcessGroup | None = None):
         super().__init__()
         self.weight = init.replicated(name, (num, dim), dtype, device)
+        self.sp_group = sp_group if group_size(sp_group) > 1 else None
+        if self.sp_group is not None:
+            mark_sequence_parallel(self.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)  # (b, s, h)
+        if self.sp_group is None:
+            return F.embedding(ids, self.weight)  # (b, s, h)
+        ids = ids.chunk(group_size(self.sp_group), dim=1)[group_rank(self.sp_group)]
+        return F.embedding(ids, sequence_parallel_parameter(self.weight, self.sp_group))  # (b, s/tp, h)
 
 
 def word_embeddings(padded_vocab: int, hidden: int, tp_group: ProcessGroup | None, init: ParamInit, *,
-                    dtype: torch.dtype = torch.float32, device=None) -> VocabParallelEmbedding:
+                    sequence_parallel: bool = False, dtype: torch.dtype = torch.float32,
+                    device=None) -> VocabParallelEmbedding:
     """The word table, rows split by vocab range. Built under the same name (so with the same values)
     on the first stage and, as the tied output layer's copy, on the last; tagged ``shared_embedding``
     so training all-reduces its grad over the embedding group (a no-op when one stage holds both)."""
     emb = VocabParallelEmbedding(padded_vocab, hidden, tp_group, init_method=init.normal("word_embeddings.weight"),
-                                 dtype=dtype, device=device)
+                                 sequence_parallel=sequence_parallel, dtype=dtype, device=device)
     emb.weight.shared_embedding = True
     return emb
 
 
 def parallel_lm_logits(hidden: torch.Tensor, weight_shard: torch.Tensor, tp_group: ProcessGroup | None,
-                       gather: bool = False) -> torch.Tensor:
+                       gather: bool = False, sequence_parallel: bool = False) -> torch.Tensor:
     """Logits against the tied word table: (b, s, h) -> (b, s, v/tp), or (b, s, v) gathered.
 
-    f (copy) on the input: backward all-reduces dH, since each rank's vocab slice contributes to it.
+    f (copy) on the input: backward all-reduces dH, since each rank's vocab slice contributes to it. With
+    ``sequence_parallel`` the input is (b, s/tp, h): all-gathered (backward: reduce-scatter) and kept whole, as
+    Megatron's output layer keeps it.
     """
-    hidden = copy_to_tensor_model_parallel_region(hidden, tp_group)
+    if sequence_parallel:
+        hidden = gather_from_sequence_parallel_region(hidden, tp_group)
+    else:
+        hidden = copy_to_tensor_model_parallel_region(hidden, tp_group)
     logits = F.linear(hidden, weight_shard)  # (b, s, v/tp)
     return gather_from_tensor_model_parallel_region(logits, tp_group) if gather else logits

@@ -7,8 +7,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from codegeex_train.config.model import ModelConfig
+from codegeex_train.config.recompute import Recompute
 from codegeex_train.model.init import ParamInit
-from codegeex_train.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from codegeex_train.tensor_parallel import ColumnParallelLinear, RowParallelLinear, recompute_in_backward
 from codegeex_train.tensor_parallel.mappings import ProcessGroup
 
 
@@ -48,19 +49,28 @@ def activation_fn(name: str):
 
 class ParallelMLP(nn.Module):
     """h -> ffn/tp (no communication), activation, ffn/tp -> h (one all-reduce forward; the f in the
-    first linear gives the one all-reduce backward)."""
+    first linear gives the one all-reduce backward). Sequence parallel: all-gather in, reduce-scatter out.
+    Selective recompute of ``mlp_act``: the activation's output, the second linear's input, is rebuilt from its
+    input (kept for the activation's own backward) when backward needs it."""
 
     def __init__(self, config: ModelConfig, tp_group: ProcessGroup | None, init: ParamInit, prefix: str, *,
+                 sequence_parallel: bool = False, recompute: Recompute = Recompute(),
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
         super().__init__()
         h, ffn = config.hidden_size, config.ffn_hidden_size
         self.dense_h_to_4h = ColumnParallelLinear(h, ffn, tp_group, dtype=dtype, device=device,
+                                                  sequence_parallel=sequence_parallel,
                                                   init_method=init.normal(prefix + "dense_h_to_4h.weight"))
         self.dense_4h_to_h = RowParallelLinear(ffn, h, tp_group, input_is_parallel=True,
                                                init_method=init.scaled(prefix + "dense_4h_to_h.weight"),
-                                               dtype=dtype, device=device)
+                                               sequence_parallel=sequence_parallel, dtype=dtype, device=device)
         self.activation = activation_fn(config.activation)
+        self.recompute_activation = recompute.selects("mlp_act")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        inner = self.activation(self.dense_h_to_4h(x))  # (b, s, ffn/tp)
-        return self.dense_4h_to_h(inner)  # (b, s, h), all-reduced
+        pre = self.dense_h_to_4h(x)  # (b, s, ffn/tp)
+        inner = self.activation(pre)
+        if self.recompute_activation and torch.is_grad_enabled():
+            with recompute_in_backward(inner, self.activation, pre):
+                return self.dense_4h_to_h(inner)
+        return self.dense_4h_to_h(inner)  # (b, s, h) all-reduced, or (b, s/tp, h) reduce-scattered

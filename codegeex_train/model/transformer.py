@@ -2,7 +2,10 @@
 
 Residual-stream tensors are replicated on every TP rank (they come out of an all-reduce), so the
 hidden dropout on them uses the default RNG stream, seeded identically across the TP group: every
-rank drops the same elements and the copies stay equal.
+rank drops the same elements and the copies stay equal. Under sequence parallelism each rank holds its own part
+of the sequence instead: the LayerNorms, residual adds and dropouts run on (b, s/tp, h), the dropout draws from
+the per-TP-rank stream (different tokens, different masks), and the LayerNorm parameters' gradients are completed
+over TP (``sequence_parallel_parameter``).
 """
 
 from __future__ import annotations
@@ -12,37 +15,87 @@ import torch.nn.functional as F
 from torch import nn
 
 from codegeex_train.config.model import ModelConfig
+from codegeex_train.config.recompute import Recompute
 from codegeex_train.model.attention import KVCacheSlot, ParallelSelfAttention, TopQueryAttention
 from codegeex_train.model.init import ParamInit
 from codegeex_train.model.mlp import ParallelMLP
-from codegeex_train.tensor_parallel import RNGStatesTracker
-from codegeex_train.tensor_parallel.mappings import ProcessGroup
+from codegeex_train.tensor_parallel import RNGStatesTracker, mark_sequence_parallel, recompute_in_backward
+from codegeex_train.tensor_parallel import sequence_parallel_parameter as sp_param
+from codegeex_train.tensor_parallel.mappings import ProcessGroup, group_size
 
 
-def layer_norm(config: ModelConfig, dtype: torch.dtype, device) -> nn.LayerNorm:
-    return nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon, dtype=dtype, device=device)  # w 1, b 0
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm (weight 1, bias 0); with ``sp_group`` it normalises this rank's tokens only and its parameters'
+    gradients are completed over TP."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device, sp_group: ProcessGroup | None = None):
+        super().__init__(config.hidden_size, eps=config.layernorm_epsilon, dtype=dtype, device=device)
+        self.sp_group = sp_group if group_size(sp_group) > 1 else None
+        if self.sp_group is not None:
+            mark_sequence_parallel(self.weight, self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sp_group is None:
+            return super().forward(x)
+        return F.layer_norm(x, self.normalized_shape, sp_param(self.weight, self.sp_group),
+                            sp_param(self.bias, self.sp_group), self.eps)
+
+
+def layer_norm(config: ModelConfig, dtype: torch.dtype, device, sp_group: ProcessGroup | None = None) -> LayerNorm:
+    return LayerNorm(config, dtype, device, sp_group)
+
+
+def sequence_parallel_dropout(x: torch.Tensor, p: float, training: bool, rng_tracker: RNGStatesTracker | None,
+                              sequence_parallel: bool) -> torch.Tensor:
+    """Dropout on the residual stream: the default stream when it is replicated over TP, the per-TP-rank stream
+    when each rank holds its own part of the sequence."""
+    if sequence_parallel and training and p > 0.0 and rng_tracker is not None:
+        with rng_tracker.fork():
+            return F.dropout(x, p, training)
+    return F.dropout(x, p, training)
 
 
 class ParallelTransformerLayer(nn.Module):
-    """x + drop(attn(LN(x))) then y + drop(mlp(LN(y)))."""
+    """x + drop(attn(LN(x))) then y + drop(mlp(LN(y))).
+
+    Selective recompute of ``layernorm``: each LayerNorm's output (the next column-parallel linear's input) is
+    rebuilt from its input when backward needs it."""
 
     attention_class = ParallelSelfAttention
 
     def __init__(self, config: ModelConfig, tp_group: ProcessGroup | None, rng_tracker: RNGStatesTracker | None,
-                 init: ParamInit, prefix: str, *, dtype: torch.dtype = torch.float32, device=None):
+                 init: ParamInit, prefix: str, *, sequence_parallel: bool = False, recompute: Recompute = Recompute(),
+                 dtype: torch.dtype = torch.float32, device=None):
         super().__init__()
-        self.hidden_dropout = config.hidden_dropout
-        self.input_layernorm = layer_norm(config, dtype, device)
+        self.hidden_dropout, self.rng_tracker = config.hidden_dropout, rng_tracker
+        self.sequence_parallel = sequence_parallel and group_size(tp_group) > 1
+        self.recompute_layernorm = recompute.selects("layernorm")
+        sp_group = tp_group if self.sequence_parallel else None
+        self.input_layernorm = layer_norm(config, dtype, device, sp_group)
         self.attention = self.attention_class(config, tp_group, rng_tracker, init, prefix + "attention.",
+                                              sequence_parallel=self.sequence_parallel, recompute=recompute,
                                               dtype=dtype, device=device)
-        self.post_attention_layernorm = layer_norm(config, dtype, device)
-        self.mlp = ParallelMLP(config, tp_group, init, prefix + "mlp.", dtype=dtype, device=device)
+        self.post_attention_layernorm = layer_norm(config, dtype, device, sp_group)
+        self.mlp = ParallelMLP(config, tp_group, init, prefix + "mlp.", sequence_parallel=self.sequence_parallel,
+                               recompute=recompute, dtype=dtype, device=device)
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        return sequence_parallel_dropout(x, self.hidden_dropout, self.training, self.rng_tracker,
+                                         self.sequence_parallel)
+
+    def _normed(self, norm: LayerNorm, x: torch.Tensor, consumer, *args, **kwargs) -> torch.Tensor:
+        """consumer(norm(x), ...), keeping norm(x) only as a recipe under selective ``layernorm`` recompute."""
+        normed = norm(x)
+        if self.recompute_layernorm and torch.is_grad_enabled():
+            with recompute_in_backward(normed, norm, x):
+                return consumer(normed, *args, **kwargs)
+        return consumer(normed, *args, **kwargs)
 
     def forward(self, x: torch.Tensor, *attention_args: torch.Tensor, cache: KVCacheSlot | None = None) -> torch.Tensor:
         """``cache``: this layer's slot of a KVCache when decoding incrementally (see attention.py)."""
-        attn = self.attention(self.input_layernorm(x), *attention_args, cache=cache)  # (b, s, h)
-        y = x + F.dropout(attn, self.hidden_dropout, self.training)
-        return y + F.dropout(self.mlp(self.post_attention_layernorm(y)), self.hidden_dropout, self.training)
+        attn = self._normed(self.input_layernorm, x, self.attention, *attention_args, cache=cache)  # (b, s, h)
+        y = x + self._dropout(attn)
+        return y + self._dropout(self._normed(self.post_attention_layernorm, y, self.mlp))
 
 
 class TopQueryLayer(ParallelTransformerLayer):

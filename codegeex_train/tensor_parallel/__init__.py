@@ -1,5 +1,7 @@
 """Hand-written Megatron tensor parallelism: f/g communication (mappings.py), the parallel layers (layers.py), the
-vocab-parallel loss (cross_entropy.py), and the TP-aware RNG tracker and activation checkpointing (random.py).
+vocab-parallel loss (cross_entropy.py), the TP-aware RNG tracker and activation checkpointing (random.py), and
+selective recomputation of a cheap op's output (recompute.py). Sequence parallelism lives in the same mappings and
+layers.
 
 May import nothing else of codegeex_train: each layer receives the process group it uses."""
 
@@ -10,15 +12,21 @@ from codegeex_train.tensor_parallel.layers import (
     VocabParallelEmbedding,
     divide,
     init_normal,
+    mark_sequence_parallel,
+    sequence_parallel_parameter,
     set_tensor_model_parallel_attributes,
     shard_master_weight,
 )
 from codegeex_train.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
+from codegeex_train.tensor_parallel.recompute import recompute_in_backward
 from codegeex_train.tensor_parallel.random import MODEL_PARALLEL_RNG, RNGStatesTracker, checkpoint, model_parallel_seed
 
 __all__ = [
@@ -30,6 +38,12 @@ __all__ = [
     "reduce_from_tensor_model_parallel_region",
     "scatter_to_tensor_model_parallel_region",
     "gather_from_tensor_model_parallel_region",
+    "gather_from_sequence_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region",
+    "scatter_to_sequence_parallel_region",
+    "sequence_parallel_parameter",
+    "mark_sequence_parallel",
+    "recompute_in_backward",
     "RNGStatesTracker",
     "model_parallel_seed",
     "checkpoint",

@@ -73,7 +73,9 @@ class Run:
     def __post_init__(self) -> None:
         if self.p2p is None:
             t = self.args.train
-            shape = (self.layout.micro_batch_size, t.seq_length, self.args.model.hidden_size)  # (b, s, h)
+            # (b, s, h); under sequence parallelism each TP rank sends its own (b, s/tp, h)
+            seq = t.seq_length // self.topology.tp_size if self.args.parallel.sequence_parallel else t.seq_length
+            shape = (self.layout.micro_batch_size, seq, self.args.model.hidden_size)
             dtype = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
             self.p2p = P2PCommunicator.for_topology(self.topology, shape, dtype, self.device)
 
