@@ -22,10 +22,12 @@ import os
 import queue as queue_lib
 import signal
 import socket
+import sys
 import subprocess
 import time
 import traceback
 from datetime import timedelta
+from multiprocessing import reduction
 from typing import Any, Callable
 
 import torch
@@ -67,8 +69,27 @@ def numpy_results(value: Any) -> Any:
 # Ranks are forked from a server process that has imported these once (multiprocessing's "forkserver"): a rank then
 # starts in ~0.05 s instead of the ~3 s a fresh interpreter needs to import torch and DeepSpeed (a few hundred
 # distributed runs in the suite). Like "spawn" (and unlike "fork") nothing of the test process is inherited but
-# what is pickled over: the function, its arguments, sys.path, the working directory, and (below) the environment.
+# what is pickled over: the function, its arguments, sys.path, the working directory, and (below) the environment
+# and the caller's stdout / stderr as they are now (pytest's capfd replaces them per test; the server keeps the
+# ones it started with).
 _PRELOAD = ["torch", "deepspeed", "codegeex_train.pretrain"]
+
+
+class _Stdio:
+    """The caller's file descriptors 1 and 2, handed to a rank through the forkserver (``reduction.DupFd``, which
+    works only while a process is being started)."""
+
+    def __reduce__(self):
+        return _Stdio._attach, (reduction.DupFd(1), reduction.DupFd(2))
+
+    @staticmethod
+    def _attach(out, err) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for target, dup in ((1, out), (2, err)):
+            fd = dup.detach()
+            os.dup2(fd, target)
+            os.close(fd)
 
 
 def _context():
@@ -78,7 +99,8 @@ def _context():
 
 
 def _worker(rank: int, dims: ParallelDims, port: int, fn: Callable, kwargs: dict, results, collective_timeout: float,
-            environ: dict[str, str]):
+            environ: dict[str, str], stdio: None):
+    # (stdio: unpickling it already pointed fds 1 and 2 at the caller's)
     os.environ.clear()  # the caller's environment now, not the server's from when it started
     os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -102,7 +124,8 @@ def _run_once(fn, dims: ParallelDims, kwargs: dict, deadline_s: float, collectiv
     port = free_port()
     environ = dict(os.environ)
     procs = [
-        ctx.Process(target=_worker, args=(r, dims, port, fn, kwargs, results, collective_timeout_s, environ),
+        ctx.Process(target=_worker, args=(r, dims, port, fn, kwargs, results, collective_timeout_s, environ,
+                                                     _Stdio()),
                     daemon=True)
         for r in range(dims.world_size)
     ]
