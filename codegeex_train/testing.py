@@ -72,7 +72,8 @@ def numpy_results(value: Any) -> Any:
 # what is pickled over: the function, its arguments, sys.path, the working directory, and (below) the environment
 # and the caller's stdout / stderr as they are now (pytest's capfd replaces them per test; the server keeps the
 # ones it started with).
-_PRELOAD = ["torch", "deepspeed", "codegeex_train.pretrain"]
+# torch._dynamo and symbolic_shapes: imported lazily in every rank's first training step (3.5-4 s of CPU each).
+_PRELOAD = ["torch", "deepspeed", "codegeex_train.pretrain", "torch._dynamo", "torch.fx.experimental.symbolic_shapes"]
 
 
 class _Stdio:
