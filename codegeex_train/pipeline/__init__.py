@@ -1,6 +1,7 @@
 """Pipeline parallelism: the layer split per stage (stages.py), point-to-point between neighbour stages (p2p.py),
-the 1F1B / no-pipelining / forward-only schedules as pure functions and their executor (schedules.py), and the
-tied-embedding gradient sum under ZeRO-2 (shared_embedding.py).
+the 1F1B / interleaved 1F1B / no-pipelining / forward-only schedules as pure functions and their executor
+(schedules.py), their replay against the data dependencies (simulate.py: deadlock, bubble, activations in flight),
+and the tied-embedding gradient sum under ZeRO-2 (shared_embedding.py).
 
 May import: ``distributed`` (the topology's groups); nothing above it."""
 
@@ -11,6 +12,7 @@ from codegeex_train.pipeline.schedules import (
     ScheduleStats,
     Step,
     forward_only,
+    interleaved_one_f_one_b,
     no_pipelining,
     one_f_one_b,
     run_schedule,
@@ -21,6 +23,7 @@ from codegeex_train.pipeline.shared_embedding import (
     mark_shared_embedding_copy,
     sync_shared_embedding,
 )
+from codegeex_train.pipeline.simulate import PipelineDeadlock, Timeline, dependencies, peak_in_flight, simulate
 from codegeex_train.pipeline.stages import PipelineSplitError, stage_layer_counts, stage_layer_ranges
 
 __all__ = [
@@ -30,10 +33,16 @@ __all__ = [
     "ScheduleStats",
     "Step",
     "forward_only",
+    "interleaved_one_f_one_b",
     "no_pipelining",
     "one_f_one_b",
     "run_schedule",
     "with_p2p_ops",
+    "PipelineDeadlock",
+    "Timeline",
+    "dependencies",
+    "peak_in_flight",
+    "simulate",
     "allreduce_shared_embedding_grads",
     "mark_shared_embedding_copy",
     "sync_shared_embedding",
