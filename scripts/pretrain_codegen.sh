@@ -6,6 +6,7 @@
 #   bash scripts/pretrain_codegen.sh                      # on a GPU node: every GPU nvidia-smi lists, bf16, NCCL
 #   DRY_RUN=1 bash scripts/pretrain_codegen.sh            # print the layout and the launch command; run nothing
 #   DEVICE=gpu NUM_GPUS=8 TP=8 bash scripts/pretrain_codegen.sh
+#   DEVICE=gpu NUM_GPUS=8 TP=8 SP=1 RECOMPUTE=selective bash scripts/pretrain_codegen.sh  # less activation memory
 #   # CodeGeeX-13B: TP 8 inside each node, 4 pipeline stages across nodes (10+10+10+9 of the 39 layers: the
 #   # last stage also holds the top query layer and the output layer), ZeRO-2 DP over the rest
 #   CONFIG=codegeex-13b DEVICE=gpu HOSTFILE=hostfile TP=8 PP=4 MICRO_BATCH=2 GLOBAL_BATCH=1536 \
@@ -28,7 +29,12 @@
 # DS_CONFIG, LR, MIN_LR, DECAY (the LR schedule after WARMUP: linear | cosine | constant), INIT_FROM (a checkpoint
 # directory to start from: --load DIR --finetune, weights only; ignored once OUTPUT_DIR holds a checkpoint),
 # LAUNCHER_ARGS (more deepspeed launcher flags: --master_addr, --master_port, --ssh_port, --no_ssh --node_rank K),
-# DRY_RUN=1 (check the layout, print it and the exact launch command, exit 0; nothing runs, nothing is written).
+# SP=1 (--sequence-parallel: activations between the TP regions split along the sequence; with TP 1 pretrain.py
+# warns and ignores it), RECOMPUTE (none | selective | full: --recompute-granularity; selective re-runs the
+# attention core in backward, full whole layers; default none, and for codegeex-13b selective with SP=1 when TP > 1,
+# see docs/activation-memory.md; a --sequence-parallel, --recompute-granularity or --checkpoint-activations among
+# the arguments wins), DRY_RUN=1 (check the layout, print it and the exact launch command, exit 0; nothing runs,
+# nothing is written).
 # Any further arguments go to codegeex_train/pretrain.py and override the ones set here.
 #
 # Failures: a dead rank brings the job down; run the same command again and it resumes from OUTPUT_DIR's last
@@ -63,7 +69,13 @@ case "$CONFIG" in
     WARMUP=${WARMUP:-20}; EVAL_INTERVAL=100; SAVE_INTERVAL=100; LOG_INTERVAL=10 ;;
   codegeex-13b)  # CodeGeeX-13B's shape: 39 layers + the top query layer, 40 heads of 128
     MODEL_ARGS="--num-layers 39 --hidden-size 5120 --num-attention-heads 40 --ffn-hidden-size 20480
-                --max-position-embeddings 2048 --activation fast_gelu --checkpoint-activations"
+                --max-position-embeddings 2048 --activation fast_gelu"
+    # Activation memory: sequence parallelism + selective recompute (Korthikanti et al. 2022), not full recompute
+    # (--checkpoint-activations): only the attention core re-runs in backward. What the planner picks
+    # (python -m codegeex_train.accounting.planner --config codegeex-13b, 32 GB devices): its first layout (TP 4,
+    # micro-batch 4) is SP + selective, and at TP 8 with micro-batch 8 nothing else fits. SP needs TP > 1: its
+    # default follows TP (below).
+    RECOMPUTE=${RECOMPUTE:-selective}
     # A model's global batch is a hyper-parameter: 1536 sequences a step whatever the layout (192 micro-batches of
     # 8 at DP 1, 48 at DP 4, ...); a layout it does not divide is refused.
     SEQ_LENGTH=${SEQ_LENGTH:-2048}; MICRO_BATCH=${MICRO_BATCH:-8}; GLOBAL_BATCH=${GLOBAL_BATCH:-1536}
@@ -101,7 +113,7 @@ esac
 
 # Layout flags among the arguments override the variables (the last one wins in pretrain.py too), so that the
 # layout checked and printed here is the one that runs.
-USER_LOAD=
+USER_LOAD= ARGS_SP= ARGS_RECOMPUTE=
 ARGV=("$@")
 for ((i = 0; i < ${#ARGV[@]}; i++)); do
   flag=${ARGV[i]} value=${ARGV[i + 1]:-}
@@ -113,8 +125,22 @@ for ((i = 0; i < ${#ARGV[@]}; i++)); do
     --global-batch-size) GLOBAL_BATCH=$value ;;
     --num-microbatches) MICRO_BATCHES=$value ;;
     --load) USER_LOAD=$value ;;
+    --sequence-parallel) ARGS_SP=1 ;;
+    --recompute-granularity) ARGS_RECOMPUTE=$value ;;
+    --checkpoint-activations) ARGS_RECOMPUTE=full ;;
   esac
 done
+# Sequence parallelism and recompute: the arguments' flags win (and then the script adds none of its own, so that
+# --checkpoint-activations never meets a --recompute-granularity selective from here).
+if [ -n "${ARGS_SP:-}" ]; then SP=1
+elif [ -z "${SP:-}" ]; then SP=0; [ "$CONFIG" = codegeex-13b ] && [[ "$TP" =~ ^[0-9]+$ ]] && [ "$TP" -gt 1 ] && SP=1
+fi
+RECOMPUTE=${ARGS_RECOMPUTE:-${RECOMPUTE:-none}}
+case "$SP" in 0 | 1) ;; *) die "SP=$SP: use 1 (--sequence-parallel) or 0" ;; esac
+case "$RECOMPUTE" in none | selective | full) ;; *) die "RECOMPUTE=$RECOMPUTE: use none, selective or full" ;; esac
+MEMORY_ARGS=()
+[ "$SP" = 1 ] && [ -z "${ARGS_SP:-}" ] && MEMORY_ARGS+=(--sequence-parallel)
+[ "$RECOMPUTE" != none ] && [ -z "${ARGS_RECOMPUTE:-}" ] && MEMORY_ARGS+=(--recompute-granularity "$RECOMPUTE")
 # e.g. LAUNCHER_ARGS="--master_addr 10.0.0.1 --master_port 29500 --ssh_port 2222" (word list)
 # shellcheck disable=SC2206
 EXTRA_LAUNCHER_ARGS=(${LAUNCHER_ARGS:-})
@@ -220,7 +246,7 @@ command -v deepspeed >/dev/null 2>&1 || LAUNCHER=("$PYTHON" -m deepspeed.launche
 # shellcheck disable=SC2086  # MODEL_ARGS, PRECISION_ARGS and TOKENIZER_ARGS are word lists
 CMD=("${LAUNCHER[@]}" "$ROOT/codegeex_train/pretrain.py"
   $MODEL_ARGS $PRECISION_ARGS
-  --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
+  --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" "${MEMORY_ARGS[@]}"
   --seq-length "$SEQ_LENGTH" --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH"
   --train-iters "$TRAIN_ITERS" --lr "$LR" --min-lr "$MIN_LR" --lr-decay-style "$DECAY"
   --lr-warmup-iters "$WARMUP" --weight-decay 0.1 --clip-grad 1.0 --adam-beta2 0.95
@@ -231,7 +257,7 @@ CMD=("${LAUNCHER[@]}" "$ROOT/codegeex_train/pretrain.py"
   "$@")
 
 echo "codegeex_train: layout CONFIG=$CONFIG DEVICE=$DEVICE NODES=$NODES RANKS=$RANKS TP=$TP PP=$PP DP=$DP" \
-  "MICRO_BATCH=$MICRO_BATCH MICRO_BATCHES=$MICRO_BATCHES GLOBAL_BATCH=$GLOBAL_BATCH"
+  "MICRO_BATCH=$MICRO_BATCH MICRO_BATCHES=$MICRO_BATCHES GLOBAL_BATCH=$GLOBAL_BATCH SP=$SP RECOMPUTE=$RECOMPUTE"
 # Words as a shell reads them back: plain ones as they are, the rest quoted.
 shell_words() {
   local word out=()

@@ -52,12 +52,16 @@ def tiny_data(tmp_path_factory) -> str:
 # below: the ones that take over ~4 s here (launchers, several gloo ranks training, whole-tool runs) except one
 # end-to-end case of every feature, which stays fast: pipeline parity at (TP, PP, DP) = (1, 2, 1) and the broken
 # tied-gradient hook, exact resume, the step against plain PyTorch at TP 1, the NaN stop at PP 2, one universal
-# resume pair, HumanEval on a few tasks, a fine-tuning start and its relaunch, the tokenizer a checkpoint records.
+# resume pair, HumanEval on a few tasks, a fine-tuning start and its relaunch, the tokenizer a checkpoint records,
+# sequence-parallel parity at (2, 1, 1) with every recompute mode and the model at TP 2 with SP.
 # Entries are node ids or their prefixes (a file, a test function).
 SLOW = (
     "tests/cluster/",
     "tests/accounting/test_comm_accounting.py::test_counter_volumes_groups_and_restore",
     "tests/benchmarks/test_gpu_check.py",
+    "tests/benchmarks/test_recompute_benchmark.py",
+    "tests/accounting/test_comm_accounting.py::test_selective_recompute_of_all_modules",
+    "tests/accounting/test_comm_accounting.py::test_ratios_beside_the_papers",
     "tests/checkpoint/test_finetune.py::test_finetune_starts_a_fresh_run_from_the_weights[universal]",
     "tests/checkpoint/test_finetune.py::test_finetune_starts_a_fresh_run_from_the_weights[weights]",
     "tests/checkpoint/test_finetune.py::test_no_load_optim_restores_all_but_the_optimizer",
@@ -79,6 +83,9 @@ SLOW = (
     "tests/metrics/test_secrets.py::test_a_real_run_leaks_no_credential",
     "tests/model/test_codegeex_weights.py::test_tp2_logits_equal_the_codegeex_package",
     "tests/model/test_model_parallel.py::test_tp_matches_tp1",
+    "tests/model/test_model_sequence_parallel.py::test_each_recompute_keeps_less_than_none[4-",
+    "tests/model/test_model_sequence_parallel.py::test_sp_parameters_are_layernorms_row_biases_and_tables[4]",
+    "tests/model/test_model_sequence_parallel.py::test_sp_matches_tp1[4-",
     "tests/pipeline/test_executor.py",
     "tests/tensor_parallel/test_tp_communication.py",
     "tests/tensor_parallel/test_tp_layers.py::test_bad_sizes_raise_clear_errors",
@@ -107,6 +114,11 @@ SLOW = (
     "tests/training/test_pretrain.py::test_losses_agree_across_tp_and_dp",
     "tests/training/test_pretrain.py::test_wandb_offline_run_matches_metrics_file",
     "tests/training/test_resume_dropout.py::test_resume_with_dropout_is_bitwise_exact",
+    "tests/training/test_sequence_parallel.py::test_broken_sequence_parallel_grad_allreduce_is_caught",
+    "tests/training/test_sequence_parallel.py::test_checkpoint_saved_with_sp_resumes_without",
+    "tests/training/test_sequence_parallel.py::test_sequence_parallel_matches_single_process[2-1-2]",
+    "tests/training/test_sequence_parallel.py::test_sequence_parallel_matches_single_process[2-2-",
+    "tests/training/test_sequence_parallel.py::test_sequence_parallel_matches_single_process[4-",
     "tests/training/test_step_vs_pytorch.py::test_training_step_matches_plain_pytorch[tp1dp2]",
     "tests/training/test_step_vs_pytorch.py::test_training_step_matches_plain_pytorch[tp2dp1]",
     "tests/training/test_switches.py",

@@ -4,10 +4,13 @@ from codegeex_train.accounting.counter import CommCounter
 from codegeex_train.accounting.theory import (
                      MemoryParts,
                      Workload,
+                     activation_parts,
                      comm_bytes_per_step,
                      expected_memory_report,
                      memory_per_rank,
                      stage_parameters,
+                     tp_bytes_per_microbatch,
 )
 
-__all__ = ["CommCounter", "MemoryParts", "Workload", "comm_bytes_per_step", "expected_memory_report", "memory_per_rank", "stage_parameters"]
+__all__ = ["CommCounter", "MemoryParts", "Workload", "activation_parts", "comm_bytes_per_step",
+           "expected_memory_report", "memory_per_rank", "stage_parameters", "tp_bytes_per_microbatch"]

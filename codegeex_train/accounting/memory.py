@@ -8,13 +8,16 @@ distinct storage reachable from the model and its ZeRO optimizer is counted once
               this rank's partition);
   buffers     every other tensor the ZeRO optimizer keeps, and ``.grad`` still alive (a bucket not yet reduced);
   activations what autograd saves for the backward of one micro-batch (a ``saved_tensors_hooks`` tally of
-              distinct storages, parameters excluded), times the micro-batches 1F1B keeps in flight.
+              distinct storages, parameters excluded; inside selective-recompute blocks too, through
+              ``tensor_parallel.recompute.OBSERVERS``), times the micro-batches 1F1B keeps in flight.
 The parts are comparable one by one with ``theory.memory_per_rank``.
 """
 
 from __future__ import annotations
 
 import torch
+
+from codegeex_train.tensor_parallel.recompute import OBSERVERS
 
 
 def _storage(t: torch.Tensor) -> tuple[int, int]:
@@ -52,9 +55,13 @@ class SavedActivations:
     def __enter__(self) -> "SavedActivations":
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._hooks.__enter__()
+        # Saved-tensor hooks do not nest: inside a selective-recompute block (tensor_parallel/recompute.py) that
+        # block's hooks alone run; it hands every tensor it keeps to OBSERVERS (its recipe target is not kept).
+        OBSERVERS.append(self._pack)
         return self
 
     def __exit__(self, *exc) -> None:
+        OBSERVERS.remove(self._pack)
         self._hooks.__exit__(*exc)
 
 

@@ -1,4 +1,4 @@
-"""Layout planner: which (TP, PP, DP, micro-batch, activation checkpointing) to use on a cluster, from the
+"""Layout planner: which (TP, PP, DP, micro-batch, sequence parallelism, recompute) to use on a cluster, from the
 shapes alone, before any GPU is booked.
 
     python -m codegeex_train.accounting.planner --config codegeex-13b --world-size 1536 --gpus-per-node 8 --gpu-memory-gb 32
@@ -10,11 +10,15 @@ from ``model.flops``, layer splits from ``pipeline.stages`` (what ``--decoder-fi
 would give training). The step-time estimate is a model, not a measurement; its assumptions:
 
 * compute: every GEMM runs at ``--efficiency`` x ``--peak-tflops`` (one number for all shapes: small
-  micro-batches and high TP make GEMMs thinner and slower in reality, which this does not see);
+  micro-batches and high TP make GEMMs thinner and slower in reality, which this does not see); full recompute
+  adds the recomputed layers' forward, selective recompute the attention core's forward only (QK^T and x V,
+  4 b s^2 h per layer), since its other choices (activation, LayerNorms) are elementwise;
+* sequence parallelism changes no FLOP: the LayerNorms and dropouts it splits are not counted;
 * 1F1B pipeline: a step takes (m + p - 1) x the slowest stage's time per micro-batch, so the parts are the
   ideal compute, the stage imbalance (slowest stage minus the mean, m times) and the bubble ((p - 1) times
   the slowest stage; bubble fraction (p - 1) / m as Megatron reports it);
 * TP all-reduces and PP sends are blocking in Megatron's schedule: on the critical path of every micro-batch;
+  under SP so are the all-gathers and reduce-scatters that replace them and the re-gathers in backward;
 * collectives run as rings: a group of g ranks moves (g - 1) / g of the bytes ``theory`` counts per rank
   over the slowest link in the group (intra-node if the group sits in one node, else inter-node);
 * DP (ZeRO-2, ``overlap_comm``): gradient reduce-scatters hide behind backward compute up to its length
@@ -41,6 +45,7 @@ from codegeex_train.accounting.theory import (
     stage_parameters,
 )
 from codegeex_train.config.model import ModelConfig, ModelConfigError
+from codegeex_train.config.recompute import Recompute
 from codegeex_train.distributed.layout import Layout
 from codegeex_train.distributed.topology import ParallelDims
 from codegeex_train.model.flops import layer_forward_flops
@@ -95,7 +100,8 @@ class Row:
     """One layout and its estimate. Bytes are per rank per optimizer step, the largest over stages."""
 
     layout: Layout
-    checkpoint_activations: bool
+    sequence_parallel: bool
+    recompute: Recompute
     parameters: int  # per rank, on the largest stage
     memory_gb: float  # GiB per GPU, worst stage, overhead included
     memory_parts: dict[str, int]  # bytes, worst stage (theory's parts)
@@ -104,6 +110,19 @@ class Row:
     bubble_fraction: float
     time_parts: dict[str, float] = field(default_factory=dict)  # seconds: compute, imbalance, bubble, tp, ...
     rank: int = 0  # 1-based position among the layouts that fit (0: does not fit)
+
+    @property
+    def checkpoint_activations(self) -> bool:
+        return self.recompute.is_full
+
+    @property
+    def recompute_name(self) -> str:
+        return self.recompute.granularity or "none"
+
+    @property
+    def options(self) -> tuple[bool, str]:
+        """(sequence parallel, recompute granularity): with the layout, what tells two rows apart."""
+        return self.sequence_parallel, self.recompute_name
 
     @property
     def step_time(self) -> float:
@@ -125,6 +144,14 @@ class Row:
         return "+".join(f"{n}x{k}" if k > 1 else str(n) for n, k in runs)
 
     @property
+    def flags(self) -> list[str]:
+        """The training flags for SP and recompute (the layer split: ``split_flags``)."""
+        flags = ["--sequence-parallel"] if self.sequence_parallel else []
+        if self.recompute.granularity:
+            flags += ["--recompute-granularity", self.recompute.granularity]
+        return flags
+
+    @property
     def split_flags(self) -> list[str]:
         """The training flags that give this split (pipeline/stages.py): none when even."""
         c = self.layer_counts
@@ -143,12 +170,22 @@ class PlanError(ValueError):
     """Inputs that cannot be planned; the message names the flag."""
 
 
-def _stage_flops(model: ModelConfig, layers: int, last: bool, b: int, s: int, ckpt: bool) -> int:
-    """Forward + backward (+ recompute) FLOPs of one stage for one micro-batch, split like model_flops."""
-    attn_layers = layers + (1 if last and model.top_query_layer else 0)
+def _stage_flops(model: ModelConfig, layers: int, last: bool, b: int, s: int,
+                 recompute: Recompute = Recompute()) -> tuple[int, int]:
+    """(forward + backward, recompute) FLOPs of one stage for one micro-batch, split like model_flops: full
+    recompute re-runs its units' forward, selective ``core_attn`` the attention core's (QK^T and x V)."""
+    top_query = last and model.top_query_layer
     per_layer = layer_forward_flops(b, s, model.hidden_size, model.ffn_hidden_size)
     logits = 2 * b * s * model.hidden_size * model.padded_vocab_size if last else 0
-    return 3 * (attn_layers * per_layer + logits) + (attn_layers * per_layer if ckpt else 0)
+    if recompute.is_full:
+        again = sum(len(u) for u in recompute.full_units(layers))
+        again += 1 if top_query and recompute.covers_top_query_layer(layers) else 0
+        extra = again * per_layer
+    elif recompute.selects("core_attn"):
+        extra = (layers + top_query) * 4 * b * s * s * model.hidden_size
+    else:
+        extra = 0
+    return 3 * ((layers + top_query) * per_layer + logits), extra
 
 
 @lru_cache(maxsize=None)
@@ -164,7 +201,7 @@ def _best_split(model_key: tuple, num_layers: int, pp: int) -> tuple[int, ...]:
                 counts = tuple(stage_layer_counts(num_layers, pp, first, last))
             except PipelineSplitError:
                 continue
-            cost = max(_stage_flops(model, n, i == pp - 1, 1, 1, False) for i, n in enumerate(counts))
+            cost = max(_stage_flops(model, n, i == pp - 1, 1, 1)[0] for i, n in enumerate(counts))
             if best_cost is None or cost < best_cost:
                 best, best_cost = counts, cost
     if best is None:
@@ -192,10 +229,12 @@ def _layer_ranges(counts: tuple[int, ...]) -> tuple[range, ...]:
 
 
 def estimate_layout(model: ModelConfig, cluster: Cluster, *, seq_length: int, global_batch_size: int, tp: int,
-                    pp: int, micro_batch_size: int, checkpoint_activations: bool, dtype_bytes: int = 2,
+                    pp: int, micro_batch_size: int, recompute: Recompute = Recompute(),
+                    sequence_parallel: bool = False, dtype_bytes: int = 2,
                     stage_layers: tuple[int, ...] | None = None, device: str = "cuda") -> Row:
     """Memory, traffic and step time of one layout (no constraint checks beyond the arithmetic).
-    ``stage_layers``: layers per stage; default the split with the fastest slowest stage."""
+    ``stage_layers``: layers per stage; default the split with the fastest slowest stage. ``device``: "cuda" or
+    "cpu" (the accounting's device; a cluster without fused attention overrides it)."""
     dims = ParallelDims(cluster.world_size, tp, pp)
     dp = dims.dp_size
     m = global_batch_size // (micro_batch_size * dp)
@@ -204,7 +243,7 @@ def estimate_layout(model: ModelConfig, cluster: Cluster, *, seq_length: int, gl
         counts = _best_split(tuple(sorted(vars(model).items())), model.num_layers, pp)
     layout = Layout(dims, micro_batch_size, m, _layer_ranges(counts))
     w = Workload(model=model, seq_length=seq_length, layout=layout, dtype_bytes=dtype_bytes,
-                 checkpoint_activations=checkpoint_activations,
+                 sequence_parallel=sequence_parallel, recompute=recompute,
                  device=device if cluster.fused_attention else "unfused")
     stages = range(pp)
     mems = [memory_per_rank(w, i) for i in stages]
@@ -216,8 +255,9 @@ def estimate_layout(model: ModelConfig, cluster: Cluster, *, seq_length: int, gl
     flops_per_s = cluster.peak_tflops * 1e12 * cluster.efficiency
     pipeline_inter = _spans_nodes(cluster.world_size, cluster.gpus_per_node)  # PP is the outermost dimension
     dp_inter = _spans_nodes(tp * dp, cluster.gpus_per_node)
-    compute = [_stage_flops(model, n, i == pp - 1, micro_batch_size, seq_length, checkpoint_activations)
-               / tp / flops_per_s for i, n in enumerate(counts)]
+    flops = [_stage_flops(model, n, i == pp - 1, micro_batch_size, seq_length, recompute)
+             for i, n in enumerate(counts)]
+    compute = [sum(f) / tp / flops_per_s for f in flops]
     tp_s = [_ring_seconds(c["tp"] // m, tp, cluster.intra_node_gbps) for c in comms]  # TP <= one node
     pp_s = [c["pp"] / m / ((cluster.inter_node_gbps if pipeline_inter else cluster.intra_node_gbps) * 1e9 / 8)
             for c in comms]
@@ -231,7 +271,7 @@ def estimate_layout(model: ModelConfig, cluster: Cluster, *, seq_length: int, gl
         gather = dp_allgather_bytes(w, i)
         reduce = _ring_seconds(comms[i]["dp"] - gather, dp, dp_gbps)
         bucket = _ring_seconds(min(w.reduce_bucket_size, stage_parameters(w, i)) * dtype_bytes * 2, dp, dp_gbps)
-        backward = m * compute[i] * 2 / (3 + checkpoint_activations)  # backward (+ recompute) share
+        backward = m * compute[i] * (2 * flops[i][0] / 3) / sum(flops[i])  # the backward's share
         exposed_dp = max(reduce - backward, min(bucket, reduce)) + _ring_seconds(gather, dp, dp_gbps)
         emb = _ring_seconds(comms[i]["embedding"], 2,
                             cluster.inter_node_gbps if pipeline_inter else cluster.intra_node_gbps)
@@ -249,7 +289,7 @@ def estimate_layout(model: ModelConfig, cluster: Cluster, *, seq_length: int, gl
         "embedding": flush[last][1],
     }
     bytes_ = {g: max(c[g] for c in comms) for g in comms[0]}
-    return Row(layout=layout, checkpoint_activations=checkpoint_activations,
+    return Row(layout=layout, sequence_parallel=w.sp, recompute=recompute,
                parameters=max(stage_parameters(w, i) for i in stages), memory_gb=memory_gb,
                memory_parts=mems[worst].as_dict(), fits=memory_gb <= cluster.gpu_memory_gb,
                comm_bytes=bytes_, bubble_fraction=(pp - 1) / m, time_parts=parts)
@@ -278,17 +318,23 @@ def candidate_layouts(model: ModelConfig, cluster: Cluster, seq_length: int, glo
                     yield tp, pp, b
 
 
+RECOMPUTES = (Recompute(), Recompute("selective"), Recompute.full())  # none, selective (core_attn), full
+
+
 def rank_layouts(model: ModelConfig, cluster: Cluster, *, seq_length: int, global_batch_size: int,
                  micro_batch_sizes: list[int] | None = None, dtype_bytes: int = 2,
-                 checkpoint: tuple[bool, ...] = (False, True)) -> list[Row]:
-    """Every valid layout, fitting ones first ranked by estimated step time (``rank`` 1, 2, ...), then the
-    ones that do not fit, by memory."""
+                 recomputes: tuple[Recompute, ...] = RECOMPUTES,
+                 sequence_parallel: tuple[bool, ...] = (False, True)) -> list[Row]:
+    """Every valid layout with each recompute choice, and with and without sequence parallelism where TP > 1
+    divides the sequence: fitting ones first ranked by estimated step time (``rank`` 1, 2, ...), then the ones that
+    do not fit, by memory."""
     model.validate()
     model.check_sequence_length(seq_length)
     rows = [estimate_layout(model, cluster, seq_length=seq_length, global_batch_size=global_batch_size, tp=tp,
-                            pp=pp, micro_batch_size=b, checkpoint_activations=ck, dtype_bytes=dtype_bytes)
+                            pp=pp, micro_batch_size=b, recompute=rc, sequence_parallel=sp, dtype_bytes=dtype_bytes)
             for tp, pp, b in candidate_layouts(model, cluster, seq_length, global_batch_size, micro_batch_sizes)
-            for ck in checkpoint]
+            for sp in sequence_parallel if not sp or (tp > 1 and seq_length % tp == 0)
+            for rc in recomputes]
     fit = sorted((r for r in rows if r.fits), key=lambda r: r.step_time)
     for i, r in enumerate(fit, 1):
         r.rank = i
@@ -297,8 +343,8 @@ def rank_layouts(model: ModelConfig, cluster: Cluster, *, seq_length: int, globa
 
 # ---------------------------------------------------------------------------------------------------- CLI
 
-COLUMNS = ("#", "TP", "PP", "DP", "micro", "m", "ckpt", "layers", "mem GiB", "TP GB", "PP GB", "DP GB", "emb GB",
-           "bubble", "step s", "compute", "imbal", "bubble s", "tp s", "pp s", "dp s", "emb s")
+COLUMNS = ("#", "TP", "PP", "DP", "micro", "m", "SP", "recompute", "layers", "mem GiB", "TP GB", "PP GB", "DP GB",
+           "emb GB", "bubble", "step s", "compute", "imbal", "bubble s", "tp s", "pp s", "dp s", "emb s")
 
 
 def format_table(rows: list[Row]) -> str:
@@ -307,7 +353,7 @@ def format_table(rows: list[Row]) -> str:
         t, layout, dims = r.time_parts, r.layout, r.layout.dims
         return [str(r.rank or "-"), str(dims.tp_size), str(dims.pp_size), str(dims.dp_size),
                 str(layout.micro_batch_size), str(layout.num_microbatches),
-                "yes" if r.checkpoint_activations else "no", r.split, f"{r.memory_gb:.1f}",
+                "yes" if r.sequence_parallel else "no", r.recompute_name, r.split, f"{r.memory_gb:.1f}",
                 gb["tp"], gb["pp"], gb["dp"], gb["embedding"], f"{r.bubble_fraction:.2f}", f"{r.step_time:.2f}",
                 *(f"{t[k]:.2f}" for k in ("compute", "imbalance", "bubble", "tp", "pp", "dp", "embedding"))]
 
@@ -334,7 +380,8 @@ def _positive(kind):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m codegeex_train.accounting.planner",
-                description="Rank (TP, PP, DP, micro-batch, checkpointing) layouts by estimated step time.")
+                description="Rank (TP, PP, DP, micro-batch, sequence parallelism, recompute) layouts by estimated "
+                            "step time.")
     p.add_argument("--config", choices=sorted(PRESETS), help="a model + cluster preset; flags given override it")
     pint, pfloat = _positive(int), _positive(float)
     m = p.add_argument_group("model (the training CLI's flags)")
@@ -346,6 +393,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--micro-batch-size", type=pint, nargs="+", help="candidates (default: powers of two)")
     m.add_argument("--tensor-model-parallel-size", type=pint, help="show only this TP (ranks stay global)")
     m.add_argument("--pipeline-model-parallel-size", type=pint, help="show only this PP")
+    m.add_argument("--sequence-parallel", choices=("yes", "no"), help="show only layouts with / without SP")
+    m.add_argument("--recompute-granularity", choices=("none", "selective", "full"),
+                   help="show only this recompute choice (selective: core_attn)")
     prec = m.add_mutually_exclusive_group()
     for name in ("bf16", "fp16", "fp32"):
         prec.add_argument(f"--{name}", dest="dtype", action="store_const", const=name)
@@ -399,8 +449,11 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"no layout: --world-size {cluster.world_size} and --global-batch-size "
                 f"{values['global_batch_size']} admit no TP x PP x DP with a whole number of micro-batches")
     only_tp, only_pp = values.get("tensor_model_parallel_size"), values.get("pipeline_model_parallel_size")
+    only_sp, only_rc = values.get("sequence_parallel"), values.get("recompute_granularity")
     shown = [r for r in rows if (args.all or r.fits) and only_tp in (None, r.layout.dims.tp_size)
-             and only_pp in (None, r.layout.dims.pp_size)][:args.top]
+             and only_pp in (None, r.layout.dims.pp_size)
+             and only_sp in (None, "yes" if r.sequence_parallel else "no")
+             and only_rc in (None, r.recompute_name)][:args.top]
     fitting = sum(r.fits for r in rows)
     print(f"{model.num_layers} layers{' + top query layer' if model.top_query_layer else ''}, h {model.hidden_size}, "
           f"{model.num_attention_heads} heads, ffn {model.ffn_hidden_size}, vocab {model.padded_vocab_size} (padded), "
@@ -412,8 +465,8 @@ def main(argv: list[str] | None = None) -> None:
     if not fitting and not args.all:
         smallest, layout = rows[0], rows[0].layout
         print(f"nothing fits: the smallest needs {smallest.memory_gb:.1f} GiB (TP {layout.dims.tp_size} PP "
-              f"{layout.dims.pp_size} micro {layout.micro_batch_size} ckpt {smallest.checkpoint_activations}); "
-              f"see --all")
+              f"{layout.dims.pp_size} micro {layout.micro_batch_size} SP "
+              f"{'yes' if smallest.sequence_parallel else 'no'} recompute {smallest.recompute_name}); see --all")
         return
     print(format_table(shown))
 

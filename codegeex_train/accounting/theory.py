@@ -3,39 +3,49 @@ memory by part. The same formulas serve the start-up report, the metrics (theory
 the layout planner (``python -m codegeex_train.accounting.planner``), so a wrong formula shows up as a measured
 mismatch.
 
-Notation (seed 000): b micro-batch, s sequence, h hidden, a heads, V padded vocabulary, t/p/d the TP/PP/DP
-sizes, m micro-batches per step, e bytes per element of the compute dtype, phi = b*s*h*e.
+Notation (seed 000): b micro-batch, s sequence, h hidden, a heads, f MLP width (4h), V padded vocabulary, t/p/d the
+TP/PP/DP sizes, m micro-batches per step, e bytes per element of the compute dtype, phi = b*s*h*e; r = t under
+sequence parallelism (the LayerNorms, dropouts and residual adds hold s/t of the sequence), else 1.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from codegeex_train.config.arguments import recompute_from_args
 from codegeex_train.config.model import ModelConfig
+from codegeex_train.config.recompute import Recompute
 from codegeex_train.distributed.layout import Layout
 
 
 @dataclass(frozen=True)
 class Workload:
     """A model, a batch and a layout, as the formulas need them. The layout (sizes, micro-batches, the layers of
-    each stage) is the run's ``Layout``; an empty ``stage_layers`` means an even split."""
+    each stage) is the run's ``Layout``; an empty ``stage_layers`` means an even split. ``sequence_parallel`` and
+    ``recompute`` are the run's ``--sequence-parallel`` and ``--recompute-*`` (config/recompute.py); SP with TP 1
+    is a no-op, as in training."""
 
     model: ModelConfig
     seq_length: int
     layout: Layout
     dtype_bytes: int = 4  # compute / weight dtype: 4 fp32, 2 bf16 or fp16
-    checkpoint_activations: bool = False
+    sequence_parallel: bool = False
+    recompute: Recompute = Recompute()
     zero_stage: int = 2
     reduce_bucket_size: int = 500_000_000  # DeepSpeed's defaults, in elements
     allgather_bucket_size: int = 500_000_000
-    device: str = "cuda"  # where SDPA runs: decides whether attention keeps its s x s probabilities
+    # Where the model runs: "cuda" (fused SDPA always; dropout keeps 1-byte masks), "cpu" (fused SDPA without
+    # attention dropout, else torch's math path; dropout keeps its scaled mask in the compute dtype) or any other
+    # name for a device without a fused attention kernel (the planner's "unfused": 1-byte masks, s x s kept).
+    device: str = "cuda"
 
     @classmethod
     def from_run(cls, args, layout: Layout, ds_config: dict | None = None, device: str = "cpu") -> "Workload":
         """The workload of a training run (parsed ``Args``, its ``Layout``, DeepSpeed config, device type)."""
         t, zero = args.train, (ds_config or {}).get("zero_optimization", {})
         return cls(args.model, t.seq_length, layout, dtype_bytes=2 if (t.bf16 or t.fp16) else 4,
-                   checkpoint_activations=t.checkpoint_activations, zero_stage=t.zero_stage,
+                   sequence_parallel=args.parallel.sequence_parallel, recompute=recompute_from_args(args),
+                   zero_stage=t.zero_stage,
                    reduce_bucket_size=int(zero.get("reduce_bucket_size", cls.reduce_bucket_size)),
                    allgather_bucket_size=int(zero.get("allgather_bucket_size", cls.allgather_bucket_size)),
                    device=device)
@@ -50,6 +60,9 @@ class Workload:
             raise ValueError(f"{num_layers} layers do not split into {pp} pipeline stages as "
                              f"{list(given) or 'evenly'}: give the Layout's stage_layers, one range per stage, "
                              f"covering every layer once")
+        if self.sp and self.seq_length % self.tp_size:
+            raise ValueError(f"--sequence-parallel splits --seq-length {self.seq_length} over "
+                             f"--tensor-model-parallel-size {self.tp_size}: not divisible")
         # frozen: set once, here, so that the formulas read the split from the layout alone
         object.__setattr__(self, "layout", replace(self.layout, stage_layers=tuple(ranges)))
 
@@ -57,6 +70,16 @@ class Workload:
     tp_size = property(lambda self: self.layout.dims.tp_size)
     pp_size = property(lambda self: self.layout.dims.pp_size)
     dp_size = property(lambda self: self.layout.dims.dp_size)
+
+    @property
+    def sp(self) -> bool:
+        """Sequence parallelism in effect (it needs a TP group of more than one rank)."""
+        return self.sequence_parallel and self.tp_size > 1
+
+    @property
+    def checkpoint_activations(self) -> bool:
+        """Full recompute (``--checkpoint-activations``)."""
+        return self.recompute.is_full
 
     def layers_on(self, pp_rank: int) -> int:
         return len(self.layout.stage_layers[pp_rank])
@@ -66,6 +89,15 @@ class Workload:
 
     def last(self, pp_rank: int) -> bool:
         return pp_rank == self.pp_size - 1
+
+    def top_query_on(self, pp_rank: int) -> bool:
+        """Whether stage ``pp_rank`` runs the top query layer (the last one does, if the model has it)."""
+        return self.last(pp_rank) and self.model.top_query_layer
+
+    def describe(self) -> str:
+        """The training options the formulas depend on, in words: for reports."""
+        return (f"sequence parallel {'on' if self.sp else 'off'}, recompute {self.recompute.describe()}, "
+                f"{'fused' if fused_attention(self) else 'unfused (s x s kept)'} attention")
 
 
 # --------------------------------------------------------------------------------------------- parameters
@@ -105,9 +137,73 @@ def largest_parameter(w: Workload, pp_rank: int) -> int:
     return max(sizes)
 
 
+def sequence_parallel_parameters(w: Workload, pp_rank: int) -> int:
+    """Elements of the sequence-parallel parameters on one rank of stage ``pp_rank`` (replicated over TP, applied to
+    this rank's part of the sequence): per layer the two LayerNorms and the two row-parallel biases (6h); the
+    position table on the first stage; the final LayerNorm and the top query table on the last. Their gradients are
+    all-reduced over TP once per micro-batch backward (tensor_parallel/layers.py). None without SP."""
+    if not w.sp:
+        return 0
+    m, h = w.model, w.model.hidden_size
+    n = (w.layers_on(pp_rank) + w.top_query_on(pp_rank)) * 6 * h
+    if w.first(pp_rank):
+        n += m.max_position_embeddings * h
+    if w.last(pp_rank):
+        n += 2 * h + (m.max_position_embeddings * h if m.top_query_layer else 0)
+    return n
+
+
 # ------------------------------------------------------------------------------------------ communication
 
 GROUPS = ("tp", "pp", "dp", "embedding")
+# The TP bytes of one micro-batch, by cause (tp_bytes_per_microbatch).
+TP_TERMS = ("activations", "loss", "recompute", "sp_regather", "sp_parameter_gradients")
+
+
+def tp_bytes_per_microbatch(w: Workload, pp_rank: int = 0) -> dict[str, int]:
+    """Bytes one rank of stage ``pp_rank`` moves in its TP group per micro-batch, by cause (counted as in
+    ``accounting.counter``: an all-reduce of N bytes moves 2N, an all-gather or a reduce-scatter of N moves N).
+
+    activations   the f/g pairs at the TP regions' edges, forward and backward: per layer one all-reduce of phi
+                  forward (g) and one backward (f) for the attention and the MLP each, 8 phi; the top query layer's
+                  queries enter through their own f (2 phi); the vocab-parallel embedding's all-reduce (2 phi,
+                  forward) and the output layer's f (2 phi, backward). Under sequence parallelism every all-reduce
+                  of phi becomes an all-gather plus a reduce-scatter of phi each (embedding: reduce-scatter forward,
+                  all-gather backward; output layer: the reverse): the same bytes, 8 phi per layer.
+    loss          the vocab-parallel cross entropy, fp32: row max, then (sum of exp, target logit): 24 b s.
+    recompute     full recompute re-runs the forward collectives of each recomputed layer: 4 phi (two all-reduces,
+                  or two all-gathers and two reduce-scatters); the top query layer's also re-gathers its queries
+                  under SP (5 phi). Selective recompute re-runs no collective.
+    sp_regather   SP only: a column-parallel linear keeps its input split and all-gathers it again in backward for
+                  its weight gradient (phi each): QKV and h->4h per layer, query, key_value and h->4h in the top
+                  query layer.
+    sp_parameter_gradients
+                  SP only: the TP all-reduce of the sequence-parallel parameters' gradients, once per micro-batch
+                  backward, in the parameters' dtype: 2 x their elements x e (``sequence_parallel_parameters``).
+
+    So SP = the TP activation bytes (unchanged) + the re-gathers + the SP-parameter gradients (+ phi per
+    recomputed top query layer)."""
+    m = w.model
+    terms = dict.fromkeys(TP_TERMS, 0)
+    if w.tp_size == 1:
+        return terms
+    b, s, e = w.layout.micro_batch_size, w.seq_length, w.dtype_bytes
+    phi = b * s * m.hidden_size * e
+    layers, top_query = w.layers_on(pp_rank), w.top_query_on(pp_rank)
+    terms["activations"] = (layers + top_query) * 8 * phi + (2 * phi if top_query else 0)
+    if w.first(pp_rank):
+        terms["activations"] += 2 * phi  # vocab-parallel embedding
+    if w.last(pp_rank):
+        terms["activations"] += 2 * phi  # output layer (tied word table)
+        terms["loss"] = 2 * (b * s * 4) + 2 * (2 * b * s * 4)
+    recomputed = sum(len(unit) for unit in w.recompute.full_units(layers))
+    terms["recompute"] = recomputed * 4 * phi
+    if top_query and w.recompute.covers_top_query_layer(layers):
+        terms["recompute"] += 4 * phi + (phi if w.sp else 0)
+    if w.sp:
+        terms["sp_regather"] = layers * 2 * phi + (3 * phi if top_query else 0)
+        terms["sp_parameter_gradients"] = 2 * sequence_parallel_parameters(w, pp_rank) * e
+    return terms
 
 
 def comm_bytes_per_step(w: Workload, pp_rank: int = 0) -> dict[str, int]:
@@ -117,23 +213,10 @@ def comm_bytes_per_step(w: Workload, pp_rank: int = 0) -> dict[str, int]:
     b, s, h, e = w.layout.micro_batch_size, w.seq_length, m.hidden_size, w.dtype_bytes
     phi = b * s * h * e
     out = dict.fromkeys(GROUPS, 0)
-    if w.tp_size > 1:
-        attentions = w.layers_on(pp_rank) + (1 if w.last(pp_rank) and m.top_query_layer else 0)
-        # Per layer: attention and MLP each one all-reduce of phi forward (g) and one backward (f): 2 x 4 phi.
-        # Recompute repeats the two forward ones.
-        per_layer = 8 * phi + (4 * phi if w.checkpoint_activations else 0)
-        tp = attentions * per_layer
-        if w.last(pp_rank) and m.top_query_layer:
-            tp += 2 * phi  # the top query layer's queries enter the TP region through their own f (backward)
-        if w.first(pp_rank):
-            tp += 2 * phi  # vocab-parallel embedding: masked lookup, then all-reduce (forward only)
-        if w.last(pp_rank):
-            tp += 2 * phi  # output layer's f: its input gradient is all-reduced (backward only)
-            tp += 2 * (b * s * 4) + 2 * (2 * b * s * 4)  # loss, fp32: row max, then (sum of exp, target logit)
-        out["tp"] = w.layout.num_microbatches * tp
+    out["tp"] = w.layout.num_microbatches * sum(tp_bytes_per_microbatch(w, pp_rank).values())
     if w.pp_size > 1:
         sends = (0 if w.last(pp_rank) else 1) + (0 if w.first(pp_rank) else 1)  # activations down, grads up
-        out["pp"] = w.layout.num_microbatches * sends * phi
+        out["pp"] = w.layout.num_microbatches * sends * phi // (w.tp_size if w.sp else 1)  # SP: (b, s/t, h)
     grad_bytes = 4 if w.dtype_bytes == 4 else w.dtype_bytes  # ZeRO reduces gradients in the param dtype
     tied = m.padded_vocab_size // w.tp_size * h * 4  # fp32 full gradient of the word table
     if w.pp_size > 1 and (w.first(pp_rank) or w.last(pp_rank)):
@@ -156,40 +239,161 @@ def dp_allgather_bytes(w: Workload, pp_rank: int) -> int:
 
 # ------------------------------------------------------------------------------------------------- memory
 
+def korthikanti_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False,
+                                selective: bool = False) -> float:
+    """The paper's activation bytes per layer (fp16), for comparison with ours."""
+    sbh, attention = s * b * h, 5 * a * s / h
+    if sequence_parallel:
+        return sbh * (34 / t + (0 if selective else attention / t))
+    return sbh * (10 + 24 / t + (0 if selective else attention / t))
+
+
 def fused_attention(w: Workload) -> bool:
     """Whether SDPA runs a fused kernel that keeps no s x s probabilities: always on CUDA (flash or
-    memory-efficient, dropout included); on CPU only without attention dropout (else torch's math path)."""
-    return w.device == "cuda" or w.model.attention_dropout == 0.0
+    memory-efficient, dropout included); on CPU only without attention dropout (else torch's math path); never on
+    another device (the planner's "unfused")."""
+    if w.device == "cuda":
+        return True
+    return w.device == "cpu" and w.model.attention_dropout == 0.0
+
+
+def _mask_bytes(w: Workload, p: float) -> int:
+    """Bytes per element of what dropout with probability ``p`` keeps for backward."""
+    if p == 0.0:
+        return 0
+    return w.dtype_bytes if w.device == "cpu" else 1
+
+
+def attention_core_bytes(w: Workload) -> int:
+    """What the attention core (QK^T, softmax, dropout, x V) keeps beyond Q, K, V and its output, one rank."""
+    m = w.model
+    b, s, a, e, t = w.layout.micro_batch_size, w.seq_length, m.num_attention_heads, w.dtype_bytes, w.tp_size
+    if fused_attention(w):
+        return 4 * a * s * b // t  # fp32 log-sum-exp per head and query
+    probs = e * a * s * s * b // t
+    if m.attention_dropout == 0.0:
+        return probs
+    return probs + (_mask_bytes(w, m.attention_dropout) + e) * a * s * s * b // t
+
+
+def layer_activation_bytes(w: Workload, top_query: bool = False) -> dict[str, int]:
+    """Bytes one transformer layer keeps for backward on one rank, by tensor; the top query layer with
+    ``top_query``. Selective recompute's modules are left out; full recompute is the stage's business
+    (``activation_parts``).
+
+    What autograd keeps for one micro-batch's backward, tensor by tensor, as measured with saved-tensor hooks
+    (accounting/memory.py; tests/accounting/test_comm_accounting.py). Per layer, on one rank (r = t under SP, else 1):
+
+      kept whole, or s/t of it under SP (/r)         kept by the TP rank's heads and MLP columns (/t)
+      LayerNorm inputs           2 e sbh             Q, K, V (the QKV output)      3 e sbh
+      LayerNorm mean, rstd       2 x 2 x 4 sb        attention output (dense in)     e sbh
+      column-parallel inputs     2 e sbh             MLP activation input            e f sb
+      hidden dropout masks       2 k sbh             MLP activation output           e f sb
+                                                     attention core: fused 4 a s b (fp32 log-sum-exp); math path
+                                                     e a s^2 b (probabilities) + (k' + e) a s^2 b with dropout
+                                                     (its mask, the dropped probabilities)
+
+    k = dropout mask bytes per element: 1 on CUDA (a bool mask), e on CPU (torch multiplies by a scaled noise tensor
+    in the input dtype), 0 without dropout; k' the same for attention dropout. The top query layer also keeps its
+    query input (e sbh / r: the position queries). Selective recompute drops ``core_attn``: the attention core term
+    (with a fused kernel only its log-sum-exp, 4 a s b / t: there is no s x s to drop; Q, K, V and the attention
+    output are kept either way), ``mlp_act``: the activation output, ``layernorm``: the two column-parallel inputs.
+    Full recompute keeps only each unit's input (e sbh / r; the top query layer's unit: its hidden and query inputs).
+    Per stage: the first keeps the ids (int64; under TP the local ids and the out-of-range mask) and the embedding
+    dropout mask; the last the final LayerNorm's input and statistics, the output layer's input (e sbh, gathered
+    whole under SP, as Megatron's output layer keeps it) and the loss's fp32 exp(logits) (4 b s V / t) and per-token
+    numbers.
+
+    Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", fp16, 1-byte masks,
+    no fused attention, LayerNorm statistics ignored), per layer:
+      no parallelism        sbh (34 + 5 a s / h)
+      TP                    sbh (10 + 24 / t + 5 a s / (h t))
+      TP + SP               sbh (34 / t + 5 a s / (h t))
+      TP + SP + selective   sbh 34 / t
+      full recompute        2 sbh (the layer input)
+    Ours at e = 2, k = k' = 1, math-path attention is exactly these plus the LayerNorm statistics (16 sb / r) and,
+    in the top query layer, its query input: 10 = 2 x 2 (LN inputs) + 2 x 2 (column inputs) + 2 x 1 (masks),
+    24 = 2 x 3 (QKV) + 2 (dense input) + 2 x 2 x 4 (activation in and out, f = 4h), 5 = 2 + 1 + 2 (probabilities,
+    mask, dropped). With a fused kernel the 5 a s / h term becomes 4 a / h (the log-sum-exp, in sbh / t units), so
+    SP, not selective recompute, is what saves memory on CUDA; selective's ``mlp_act`` (8 sbh / t) and
+    ``layernorm`` (4 sbh / r) are the further choices.
+    """
+    m = w.model
+    b, s, h, f = w.layout.micro_batch_size, w.seq_length, m.hidden_size, m.ffn_hidden_size
+    e, t = w.dtype_bytes, w.tp_size
+    r = t if w.sp else 1
+    sbh, rc = s * b * h, w.recompute
+    return {
+        "layernorm_inputs": 2 * e * sbh // r,
+        "layernorm_statistics": 2 * 2 * 4 * s * b // r,
+        "column_inputs": (0 if rc.selects("layernorm") else 2 * e * sbh // r) + (e * sbh // r if top_query else 0),
+        "dropout_masks": 2 * _mask_bytes(w, m.hidden_dropout) * sbh // r,
+        "qkv": 3 * e * sbh // t,
+        "attention_output": e * sbh // t,
+        "attention_core": 0 if rc.selects("core_attn") else attention_core_bytes(w),
+        "mlp_activation_input": e * s * b * f // t,
+        "mlp_activation_output": 0 if rc.selects("mlp_act") else e * s * b * f // t,
+    }
+
+
+def activation_parts(w: Workload, pp_rank: int = 0) -> dict[str, int]:
+    """What one rank of stage ``pp_rank`` keeps for one micro-batch's backward, by part: ``layers`` (the stage's
+    regular layers), ``top_query_layer``, ``embedding`` (first stage), ``output`` (last stage: final LayerNorm,
+    output layer, loss)."""
+    m = w.model
+    b, s, h, e, t = w.layout.micro_batch_size, w.seq_length, m.hidden_size, w.dtype_bytes, w.tp_size
+    r = t if w.sp else 1
+    sbh = s * b * h
+    layers = w.layers_on(pp_rank)
+    layer = sum(layer_activation_bytes(w).values())
+    units = w.recompute.full_units(layers)
+    recomputed = sum(len(u) for u in units)
+    parts = {"layers": (layers - recomputed) * layer + len(units) * e * sbh // r,
+             "top_query_layer": 0, "embedding": 0, "output": 0}
+    if w.top_query_on(pp_rank):
+        if w.recompute.covers_top_query_layer(layers):
+            parts["top_query_layer"] = 2 * e * sbh // r  # the unit's inputs: hidden states and queries
+        else:
+            parts["top_query_layer"] = sum(layer_activation_bytes(w, top_query=True).values())
+    ids = 8 * b * s  # int64 token or position ids
+    if w.first(pp_rank):
+        # token ids (TP: the local ids and the out-of-range mask), position ids, the embedding dropout mask
+        parts["embedding"] = ids + (b * s if t > 1 else 0) + ids + _mask_bytes(w, m.hidden_dropout) * sbh // r
+    if w.last(pp_rank):
+        final_layernorm = e * sbh // r + 2 * 4 * s * b // r
+        logits_input = e * sbh  # all-gathered under SP
+        # exp(logits); the sum of exp (under TP a view of the all-reduced (sum, target logit) pair), local target
+        # ids, two masks
+        loss = 4 * b * s * m.padded_vocab_size // t + ((8 if t > 1 else 4) + 8 + 1 + 1) * b * s
+        positions = ids if m.top_query_layer and not w.first(pp_rank) else 0  # the top query lookup's
+        parts["output"] = final_layernorm + logits_input + loss + positions
+    return parts
 
 
 def activation_bytes_per_microbatch(w: Workload, pp_rank: int = 0) -> int:
-    """Bytes autograd keeps for one micro-batch's backward on one rank (Korthikanti et al. 2022, with the
-    element size a parameter): per layer (4e + 2) sbh replicated (two LayerNorm inputs, the two column-parallel
-    inputs, two one-byte dropout masks) + (4e + 2e ffn/h) sbh / t (Q, K, V, the attention output; the MLP's
-    activation input and output), plus the attention itself: with a fused kernel its output (e sbh / t) and
-    fp32 log-sum-exp (4 a s b / t); on torch's math path the s x s probabilities, the dropout mask in the compute
-    dtype and the dropped probabilities (3e a s^2 b / t). With recompute a layer keeps only its input (e sbh)
-    until its backward rebuilds the rest."""
-    m = w.model
-    b, s, h, a = w.layout.micro_batch_size, w.seq_length, m.hidden_size, m.num_attention_heads
-    e, t = w.dtype_bytes, w.tp_size
-    sbh = s * b * h
-    sharded = (4 * e * h + 2 * e * m.ffn_hidden_size) * s * b  # Q, K, V, dense input; activation in and out
-    if fused_attention(w):
-        attention = e * sbh // t + 4 * a * s * b // t
-    else:
-        attention = 3 * e * a * s * s * b // t
-    per_layer = (4 * e + 2) * sbh + sharded // t + attention
-    layers = w.layers_on(pp_rank) + (1 if w.last(pp_rank) and m.top_query_layer else 0)
-    if w.checkpoint_activations:
-        total = layers * e * sbh + per_layer  # inputs kept, one layer rebuilt at a time
-    else:
-        total = layers * per_layer
-    if w.first(pp_rank):
-        total += sbh  # embedding dropout mask
-    if w.last(pp_rank):
-        total += e * sbh + b * s * m.padded_vocab_size // t * 4  # final LayerNorm input; fp32 softmax for the loss
-    return total
+    """Bytes autograd keeps for one micro-batch's backward on one rank of stage ``pp_rank`` (``activation_parts``
+    summed): what ``accounting.memory.SavedActivations`` measures."""
+    return sum(activation_parts(w, pp_rank).values())
+
+
+def recompute_working_bytes(w: Workload, pp_rank: int = 0) -> int:
+    """What recomputation rebuilds in backward, transiently, on top of the saved activations: under full recompute
+    the largest unit's activations (one unit at a time), under selective the dropped parts of one layer."""
+    layers, rc = w.layers_on(pp_rank), w.recompute
+    top_query = w.top_query_on(pp_rank)
+    if rc.is_full:
+        kept = replace(w, recompute=Recompute())
+        layer = sum(layer_activation_bytes(kept).values())
+        sizes = [len(u) * layer for u in rc.full_units(layers)]
+        if top_query and rc.covers_top_query_layer(layers):
+            sizes.append(sum(layer_activation_bytes(kept, top_query=True).values()))
+        return max(sizes, default=0)
+    if rc.granularity == "selective" and (layers or top_query):
+        kept = replace(w, recompute=Recompute())
+        dropped = [sum(layer_activation_bytes(kept, q).values()) - sum(layer_activation_bytes(w, q).values())
+                   for q in ([False] if layers else []) + ([True] if top_query else [])]
+        return max(dropped)
+    return 0
 
 
 def microbatches_in_flight(w: Workload, pp_rank: int) -> int:
@@ -199,28 +403,32 @@ def microbatches_in_flight(w: Workload, pp_rank: int) -> int:
 
 @dataclass
 class MemoryParts:
-    """Bytes per rank by part; ``total`` is their sum."""
+    """Bytes per rank by part; ``total`` is their sum. ``recompute`` is transient (rebuilt in backward), the others
+    are held at the step boundary (activations: during the backward of the micro-batches in flight)."""
 
     weights: int
     gradients: int
     optimizer: int
     buffers: int
     activations: int
+    recompute: int = 0
     notes: dict = field(default_factory=dict)
 
     @property
     def total(self) -> int:
-        return self.weights + self.gradients + self.optimizer + self.buffers + self.activations
+        return self.weights + self.gradients + self.optimizer + self.buffers + self.activations + self.recompute
 
     def as_dict(self) -> dict[str, int]:
         return {"weights": self.weights, "gradients": self.gradients, "optimizer": self.optimizer,
-                "buffers": self.buffers, "activations": self.activations, "total": self.total}
+                "buffers": self.buffers, "activations": self.activations, "recompute": self.recompute,
+                "total": self.total}
 
 
 def memory_per_rank(w: Workload, pp_rank: int = 0) -> MemoryParts:
     """ZeRO-2 under DeepSpeed: weights whole in the compute dtype; an fp32 master copy, Adam's two moments and
     the gradient, each partitioned over DP (1/d); the gradient bucket of reduce_bucket_size elements (the
-    largest parameter when bigger; at most the stage's parameters) and, with DP > 1, the all-gather staging."""
+    largest parameter when bigger; at most the stage's parameters) and, with DP > 1, the all-gather staging;
+    the saved activations of the micro-batches in flight and what recomputation rebuilds on top of them."""
     psi = stage_parameters(w, pp_rank)
     e, d = w.dtype_bytes, w.dp_size
     if w.zero_stage == 0:
@@ -235,7 +443,8 @@ def memory_per_rank(w: Workload, pp_rank: int = 0) -> MemoryParts:
     bucket = min(w.reduce_bucket_size, psi) * e
     activations = activation_bytes_per_microbatch(w, pp_rank) * microbatches_in_flight(w, pp_rank)
     return MemoryParts(weights=psi * e, gradients=gradients, optimizer=optimizer, buffers=bucket,
-                       activations=activations, notes={"parameters": psi, "partition": shard})
+                       activations=activations, recompute=recompute_working_bytes(w, pp_rank),
+                       notes={"parameters": psi, "partition": shard})
 
 
 def _gib(n: int) -> str:
@@ -243,15 +452,22 @@ def _gib(n: int) -> str:
 
 
 def expected_memory_report(w: Workload) -> str:
-    """The start-up lines: predicted memory and bytes moved per step, per rank of each stage."""
-    lines = [f"expected per rank (ZeRO-{w.zero_stage}, DP {w.dp_size}, {w.dtype_bytes}-byte weights; measured at the "
-             f"2nd step as the metrics' 'memory' record):"]
+    """The start-up lines: predicted memory and bytes moved per step, per rank of each stage, with what sequence
+    parallelism and recomputation contribute."""
+    lines = [f"expected per rank (ZeRO-{w.zero_stage}, DP {w.dp_size}, {w.dtype_bytes}-byte weights, {w.describe()}; "
+             f"measured at the 2nd step as the metrics' 'memory' record):"]
     for pp_rank in range(w.pp_size):
         parts = memory_per_rank(w, pp_rank)
         comm = comm_bytes_per_step(w, pp_rank)
         stage = f"  stage {pp_rank}: " if w.pp_size > 1 else "  "
+        rebuilt = f", recompute {_gib(parts.recompute)} (rebuilt in backward)" if parts.recompute else ""
         lines.append(f"{stage}weights {_gib(parts.weights)}, gradients {_gib(parts.gradients)}, optimizer "
                      f"{_gib(parts.optimizer)}, buffers {_gib(parts.buffers)}, activations {_gib(parts.activations)}"
-                     f" ({microbatches_in_flight(w, pp_rank)} micro-batch(es) in flight): total {_gib(parts.total)}; "
-                     f"per step moves " + ", ".join(f"{g} {_gib(n)}" for g, n in comm.items() if n))
+                     f" ({microbatches_in_flight(w, pp_rank)} micro-batch(es) in flight){rebuilt}: total "
+                     f"{_gib(parts.total)}; per step moves "
+                     + ", ".join(f"{g} {_gib(n)}" for g, n in comm.items() if n))
+        if w.sp or w.recompute.is_full:
+            tp = {k: v * w.layout.num_microbatches for k, v in tp_bytes_per_microbatch(w, pp_rank).items() if v}
+            lines.append(f"{' ' * len(stage)}tp = " + " + ".join(f"{k.replace('_', ' ')} {_gib(v)}"
+                                                                for k, v in tp.items()))
     return "\n".join(lines)

@@ -23,23 +23,36 @@ import torch
 OBSERVERS: list[Callable[[torch.Tensor], object]] = []
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
-            and a.dtype == b.dtype)
+def _matcher(target: torch.Tensor):
+    """A test for "``saved`` is ``target`` or a reshaped view of it" (a matmul saves its 3-D input as (b*s, in)).
+    It keeps the target's address and layout, not the tensor: holding the tensor would keep it alive until backward,
+    which is the memory this module exists to free."""
+    ptr, dtype, numel = target.data_ptr(), target.dtype, target.numel()
+    shape, stride, contiguous = target.shape, target.stride(), target.is_contiguous()
+
+    def same(saved: torch.Tensor) -> bool:
+        if saved.data_ptr() != ptr or saved.dtype != dtype or saved.numel() != numel:
+            return False
+        return (saved.shape == shape and saved.stride() == stride) or (saved.is_contiguous() and contiguous)
+
+    return same
 
 
 class _Recipe:
-    def __init__(self, fn, inputs):
-        self.fn, self.inputs = fn, inputs
+    def __init__(self, fn, inputs, shape):
+        self.fn, self.inputs, self.shape = fn, inputs, shape
 
 
 @contextlib.contextmanager
 def recompute_in_backward(target: torch.Tensor, fn: Callable[..., torch.Tensor], *inputs: torch.Tensor):
     """Inside the block, ``target`` (= ``fn(*inputs)``) is saved as a recipe and recomputed in backward."""
 
+    same = _matcher(target)
+    del target
+
     def pack(t: torch.Tensor):
-        if _same(t, target):
-            return _Recipe(fn, tuple(i.detach() for i in inputs))
+        if same(t):
+            return _Recipe(fn, tuple(i.detach() for i in inputs), t.shape)
         for observe in OBSERVERS:
             observe(t)
         return t
@@ -47,7 +60,8 @@ def recompute_in_backward(target: torch.Tensor, fn: Callable[..., torch.Tensor],
     def unpack(saved):
         if isinstance(saved, _Recipe):
             with torch.no_grad():
-                return saved.fn(*saved.inputs)
+                value = saved.fn(*saved.inputs)
+            return value if value.shape == saved.shape else value.reshape(saved.shape)
         return saved
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):

@@ -153,6 +153,8 @@ def memory_record(run: Run, iteration: int, measured: dict[str, int]) -> dict:
     if run.workload is not None:
         theory = memory_per_rank(run.workload, run.topology.pp_rank).as_dict()
         record.update({f"memory_{k}_bytes_theory": v for k, v in theory.items()})
+        # what the activations depend on: --sequence-parallel and --recompute-* (recompute: rebuilt in backward)
+        record.update(sequence_parallel=run.workload.sp, recompute=run.workload.recompute.describe())
     return {**record, "memory_gb": memory_gb(run.device)}
 
 

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from codegeex_train.accounting.planner import Cluster, estimate_layout, from_preset, main, rank_layouts
 from codegeex_train.accounting.theory import Workload, stage_parameters
 from codegeex_train.config.model import ModelConfig
+from codegeex_train.config.recompute import Recompute
 from codegeex_train.distributed.layout import Layout
 from codegeex_train.distributed.topology import ParallelDims
 from codegeex_train.model.codegeex import CodeGeeXModel
@@ -44,7 +45,7 @@ def _stage_numel(config, tp, pp_rank, layers, monkeypatch):
 def test_parameter_counts_are_the_models(tp, pp, monkeypatch):
     config = ModelConfig(**TINY)
     row = estimate_layout(config, Cluster(world_size=tp * pp), seq_length=16, global_batch_size=4, tp=tp, pp=pp,
-                          micro_batch_size=1, checkpoint_activations=False)
+                          micro_batch_size=1)
     assert sum(row.layer_counts) == 5 and len(row.layer_counts) == pp
     w = Workload(model=config, seq_length=16, layout=row.layout)
     counts = []
@@ -64,7 +65,7 @@ def _first_last(row):
 def test_uneven_splits_are_ones_training_accepts():
     model, cluster, kw = from_preset("codegeex-13b")
     for pp in (2, 3, 4, 6):
-        row = estimate_layout(model, cluster, tp=8, pp=pp, micro_batch_size=1, checkpoint_activations=True, **{
+        row = estimate_layout(model, cluster, tp=8, pp=pp, micro_batch_size=1, recompute=Recompute.full(), **{
             **kw, "global_batch_size": 1536 // pp})
         assert tuple(stage_layer_ranges(39, pp, *_first_last(row))) == row.layout.stage_layers
     # the last stage also runs the top query layer and the logits (~1.8 layers): it gets fewer layers
@@ -91,10 +92,13 @@ def test_only_layouts_training_accepts_are_listed():
                         max_position_embeddings=32, vocab_size=300, make_vocab_size_divisible_by=4)
     cluster = Cluster(world_size=12, gpus_per_node=4, gpu_memory_gb=80)
     rows = rank_layouts(model, cluster, seq_length=16, global_batch_size=12)
-    got = {(*_sizes(r), r.checkpoint_activations) for r in rows}
+    got = {(*_sizes(r), *r.options) for r in rows}
     expected = {(1, 1, 12, 1), (1, 2, 6, 1), (1, 2, 6, 2), (1, 3, 4, 1), (2, 1, 6, 1), (2, 1, 6, 2),
                 (2, 2, 3, 1), (2, 2, 3, 2), (2, 2, 3, 4), (2, 3, 2, 1), (2, 3, 2, 2)}
-    assert got == {(*e, ck) for e in expected for ck in (False, True)}
+    # each with no, selective and full recompute; with and without sequence parallelism where TP > 1
+    assert got == {(*e, sp, rc) for e in expected for sp in ((False, True) if e[0] > 1 else (False,))
+                   for rc in ("none", "selective", "full")}
+    assert len(rows) == len(got)
     assert all(r.layout.global_batch_size == 12 for r in rows)
     given = rank_layouts(model, cluster, seq_length=16, global_batch_size=12, micro_batch_sizes=[3])
     assert {_sizes(r) for r in given} == {(1, 3, 4, 3), (2, 3, 2, 3)}
@@ -111,14 +115,28 @@ def test_codegeex_13b_real_layout():
     model, cluster, kw = from_preset("codegeex-13b")
     assert 12.8e9 < stage_parameters(Workload(model, 2048, _pipeline(1)), 0) < 13.5e9  # "13 billion parameters"
     rows = rank_layouts(model, cluster, **kw)
-    real = {r.checkpoint_activations: r for r in rows
-            if _sizes(r) == (8, 1, 192, 16)}  # CodeGeeX: micro 16, batch 3,072
-    assert set(real) == {False, True} and real[True].layout.num_microbatches == 1
+    real = {r.options: r for r in rows if _sizes(r) == (8, 1, 192, 16)}  # CodeGeeX: micro 16, batch 3,072
+    assert set(real) == {(sp, rc) for sp in (False, True) for rc in ("none", "selective", "full")}
+    own = real[False, "full"]  # what CodeGeeX ran: full recompute, no SP
+    assert own.layout.num_microbatches == 1
     # Without recompute, 40 layers of micro-batch 16 activations (~3.7 GiB each) cannot fit 32 GB;
     # with it the weights (1.6 B/rank, fp16), ZeRO-2's slices over 192 ranks and the kept layer inputs do.
-    assert not real[False].fits and real[False].memory_gb > 100
-    assert real[True].fits and 15 < real[True].memory_gb < 32
-    assert real[True].rank > 0 and real[True].comm_bytes["pp"] == 0 and real[True].bubble_fraction == 0
+    assert not real[False, "none"].fits and real[False, "none"].memory_gb > 100
+    assert own.fits and 15 < own.memory_gb < 32
+    assert own.rank > 0 and own.comm_bytes["pp"] == 0 and own.bubble_fraction == 0
+    # No fused attention on that machine: selective recompute drops the s x s terms (5as/(ht) = 10 sbh per layer
+    # at TP 8, of 23 sbh), SP divides the other 13 sbh's replicated 10 by 8; together the paper's "5x" (34/8 sbh
+    # left). SP + full halves the memory of CodeGeeX's layout. SP moves more TP bytes (the re-gathers), selective
+    # no more.
+    none, sp, selective, both = (real[k].memory_parts["activations"] for k in
+                                 ((False, "none"), (True, "none"), (False, "selective"), (True, "selective")))
+    assert 1.7 < none / selective < 1.8 and 1.55 < none / sp < 1.65 and 5 < none / both < 5.5
+    assert real[True, "full"].memory_gb < own.memory_gb / 2 and real[True, "full"].fits
+    assert real[True, "none"].comm_bytes["tp"] > real[False, "none"].comm_bytes["tp"]
+    assert real[False, "selective"].comm_bytes == real[False, "none"].comm_bytes
+    # SP + selective at micro 8 fits and beats CodeGeeX's own layout: no recomputed forward
+    sp_selective = next(r for r in rows if _sizes(r) == (8, 1, 192, 8) and r.options == (True, "selective"))
+    assert sp_selective.fits and sp_selective.step_time < own.step_time
 
 
 def test_ranked_by_estimated_step_time():
@@ -130,14 +148,24 @@ def test_ranked_by_estimated_step_time():
     assert times == sorted(times) and times[0] < times[-1]
     for r in ranked:
         assert r.step_time == pytest.approx(sum(r.time_parts.values()))
-        # the compute part is flops.py's count spread over every GPU at the assumed efficiency
+        # the compute part is flops.py's count spread over every GPU at the assumed efficiency; selective
+        # recompute adds the attention core's forward (QK^T and x V: 4 b s^2 h per layer and sequence)
         flops = model_flops_per_iteration(model, kw["global_batch_size"], kw["seq_length"], r.checkpoint_activations)
+        if r.recompute_name == "selective":
+            flops += (model.num_layers + 1) * 4 * kw["global_batch_size"] * kw["seq_length"] ** 2 * model.hidden_size
         assert r.time_parts["compute"] == pytest.approx(flops / (1536 * 256e12 * 0.5))
         assert r.bubble_fraction == pytest.approx((r.layout.dims.pp_size - 1) / r.layout.num_microbatches)
     # faster links never make a layout slower; slower ones hurt the ones that cross nodes
-    fast = {(r.layout, r.checkpoint_activations): r.step_time
+    fast = {(r.layout, r.options): r.step_time
             for r in rank_layouts(model, Cluster(**{**vars(cluster), "inter_node_gbps": 800}), **kw)}
-    assert all(fast[(r.layout, r.checkpoint_activations)] <= r.step_time for r in rows)
+    assert all(fast[(r.layout, r.options)] <= r.step_time for r in rows)
+    # at the same layout: selective costs less time than full recompute, and SP no less than none
+    by_key = {(r.layout, r.options): r for r in rows}
+    for (layout, (sp, rc)), r in by_key.items():
+        if rc == "selective":
+            assert r.time_parts["compute"] < by_key[layout, (sp, "full")].time_parts["compute"]
+        if sp:
+            assert r.time_parts["tp"] >= by_key[layout, (False, rc)].time_parts["tp"]
 
 
 def test_cli_prints_the_table(capsys):
@@ -149,6 +177,15 @@ def test_cli_prints_the_table(capsys):
     table = lines[header + 1:]
     assert len(table) == 5 and [int(line.split()[0]) for line in table] == [1, 2, 3, 4, 5]
     assert "layouts fit" in lines[1] and "vocab 384 (padded)" in lines[0]
+    assert lines[header].split()[6:8] == ["SP", "recompute"]
+    # the filters keep the global rank: TP 2 with SP and selective recompute only
+    main(["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--vocab-size", "300",
+          "--seq-length", "32", "--max-position-embeddings", "32", "--global-batch-size", "16", "--world-size", "16",
+          "--gpus-per-node", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel", "yes",
+          "--recompute-granularity", "selective", "--top", "100"])
+    lines = capsys.readouterr().out.splitlines()
+    table = lines[lines.index(next(line for line in lines if line.split()[:4] == ["#", "TP", "PP", "DP"])) + 1:]
+    assert table and all(line.split()[1] == "2" and line.split()[6:8] == ["yes", "selective"] for line in table)
 
 
 @pytest.mark.parametrize("argv,names", [

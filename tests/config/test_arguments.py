@@ -149,3 +149,76 @@ def test_fewer_microbatches_than_stages_warns():
     args = args_for("--num-layers", "5", "--pipeline-model-parallel-size", "2", "--decoder-last-pipeline-num-layers", "2",
                     "--global-batch-size", "16", "--micro-batch-size", "4")
     assert validate(args, 2).stage_layers == (range(0, 3), range(3, 5))
+
+
+# --- Sequence parallelism and recompute (--sequence-parallel, --recompute-*) ------------------------------------
+
+def test_recompute_flags_give_one_recompute():
+    from codegeex_train.config.arguments import recompute_from_args
+    from codegeex_train.config.recompute import Recompute
+
+    def recompute(*argv):
+        args = args_for("--num-layers", "4", *argv)
+        validate(args, 1)
+        return recompute_from_args(args)
+
+    assert recompute() == Recompute()
+    assert recompute("--checkpoint-activations") == recompute("--recompute-granularity", "full") == Recompute("full")
+    assert recompute("--checkpoint-activations", "--recompute-granularity", "full", "--recompute-method", "block",
+                     "--recompute-num-layers", "4") == Recompute("full", "block", 4)
+    assert recompute("--recompute-granularity", "selective") == Recompute("selective", modules=("core_attn",))
+    assert recompute("--recompute-granularity", "selective", "--recompute-modules", "mlp_act", "layernorm",
+                     "mlp_act") == Recompute("selective", modules=("mlp_act", "layernorm"))
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--checkpoint-activations", "--recompute-granularity", "selective"],
+     "--checkpoint-activations .full recompute. and --recompute-granularity selective clash"),
+    (["--recompute-method", "block"],
+     "--recompute-method and --recompute-num-layers go with --recompute-granularity full"),
+    (["--recompute-granularity", "selective", "--recompute-num-layers", "2"],
+     "--recompute-method and --recompute-num-layers go with"),
+    (["--recompute-modules", "mlp_act"], "--recompute-modules goes with --recompute-granularity selective"),
+    (["--checkpoint-activations", "--recompute-modules", "core_attn"], "--recompute-modules goes with"),
+    (["--recompute-granularity", "full", "--recompute-num-layers", "5"],
+     "--recompute-num-layers 5 must be within 1..--num-layers 4"),
+    (["--recompute-granularity", "full", "--recompute-num-layers", "0"], "--recompute-num-layers 0 must be within"),
+    (["--recompute-granularity", "selective", "--recompute-modules", "core_attn", "mlp"],
+     "--recompute-modules mlp: choose from core_attn, mlp_act, layernorm"),
+    (["--tensor-model-parallel-size", "4", "--sequence-parallel", "--seq-length", "30"],
+     "--sequence-parallel splits --seq-length 30 over --tensor-model-parallel-size 4: use a sequence length"),
+], ids=["checkpoint-activations+selective", "method-without-full", "num-layers-with-selective",
+        "modules-without-selective", "modules-with-full", "num-layers-above-num-layers", "num-layers-0",
+        "unknown-module", "sp-seq-length-not-divisible"])
+def test_recompute_and_sequence_parallel_clashes(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(args_for("--num-layers", "4", *argv), 4)
+
+
+def test_sequence_parallel_at_tp1_warns_once_and_passes(recwarn):
+    # Training with it is the same as without: tests/training/test_sequence_parallel.py.
+    validate(args_for("--sequence-parallel", "--seq-length", "30", "--tensor-model-parallel-size", "2"), 2)
+    validate(args_for("--seq-length", "30"), 2)
+    assert len(recwarn) == 0  # TP 2 with a fitting length, or no SP: nothing to say
+    with pytest.warns(UserWarning, match="--sequence-parallel with --tensor-model-parallel-size 1 does nothing"):
+        layout = validate(args_for("--sequence-parallel", "--seq-length", "30"), 2)  # 30 would not split over 2
+    assert layout.dims.tp_size == 1 and layout.dims.dp_size == 2
+
+
+def test_sequence_length_not_divisible_by_tp_is_one_line_before_any_process_group(capsys, monkeypatch, tmp_path):
+    import torch.distributed as dist
+
+    from codegeex_train import pretrain
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(SystemExit) as e:
+        pretrain.main(["--data-path", str(tmp_path / "none"), "--tensor-model-parallel-size", "4",
+                       "--sequence-parallel", "--seq-length", "30", "--num-layers", "2", "--hidden-size", "32",
+                       "--num-attention-heads", "4", "--max-position-embeddings", "64"])
+    assert e.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.splitlines() == [("error: --sequence-parallel splits --seq-length 30 over --tensor-model-parallel-size "
+                                 "4: use a sequence length divisible by 4")], err
+    assert not dist.is_initialized() and list(tmp_path.iterdir()) == []

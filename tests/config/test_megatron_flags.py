@@ -54,8 +54,12 @@ def test_help_shows_every_default_and_the_choices(help_text):
                   "--tokenizer-type {HFTokenizer,GPT2BPETokenizer,SentencePieceTokenizer,CodeGeeXTokenizer}"):
         assert shown in text, shown
     assert "(default: True) (default: True)" not in text
-    assert "--checkpoint-activations recompute each layer's activations in backward (default: False) (also " \
-           "--recompute-activations)" in text
+    assert ("--checkpoint-activations recompute each layer's activations in backward (= --recompute-granularity "
+            "full) (default: False) (also --recompute-activations)") in text
+    for shown in ("--sequence-parallel Megatron's sequence parallelism (TP > 1)",
+                  "--recompute-granularity {full,selective}", "--recompute-method {uniform,block}",
+                  "--recompute-num-layers RECOMPUTE_NUM_LAYERS", "--recompute-modules RECOMPUTE_MODULES"):
+        assert shown in text, shown
 
 
 def one_error_line(capsys, argv, prefix="error: "):
@@ -141,9 +145,9 @@ def test_each_refused_flag_is_one_line_naming_ours(capsys, key):
 
 
 def test_several_refused_flags_are_reported_together(capsys):
-    line = one_error_line(capsys, ["--data-path", "x", "--sequence-parallel", "--use-flash-attn",
+    line = one_error_line(capsys, ["--data-path", "x", "--ds-sequence-parallel-size", "2", "--use-flash-attn",
                                    "--fp8-format", "hybrid"])
-    for flag in ("--sequence-parallel", "--use-flash-attn", "--fp8-format"):
+    for flag in ("--ds-sequence-parallel-size", "--use-flash-attn", "--fp8-format"):
         assert f"{flag} (Megatron-LM)" in line
 
 

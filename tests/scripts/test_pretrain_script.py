@@ -23,7 +23,8 @@ SCRIPT = ROOT / "scripts" / "pretrain_codegen.sh"
 SCRIPT_VARS = ("OUTPUT_DIR", "CONFIG", "DEVICE", "NUM_GPUS", "HOSTFILE", "TP", "PP", "MICRO_BATCH", "MICRO_BATCHES",
                "GLOBAL_BATCH", "TRAIN_ITERS", "SEQ_LENGTH", "DATA_PATH", "TOKENIZER_ARGS", "DS_CONFIG", "LR", "MIN_LR",
                "DECAY", "WARMUP", "LAUNCHER_ARGS", "INIT_FROM", "DRY_RUN", "DS_ACCELERATOR", "DS_ENV_FILE",
-               "OMP_NUM_THREADS", "TORCH_EXTENSIONS_DIR", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+               "OMP_NUM_THREADS", "TORCH_EXTENSIONS_DIR", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "SP",
+               "RECOMPUTE")
 
 # What the script ran for the default CPU configuration before the launch layout was derived from the device
 # (`git show a4bf96d:scripts/pretrain_codegen.sh` with no variables set): it must stay exactly this.
@@ -170,6 +171,69 @@ def test_cpu_default_command_is_unchanged(script):
     assert argv == cpu_default_argv()
 
 
+def pretrain_args(argv: list, ranks: str):
+    """What pretrain.py makes of the launch command's own arguments: parsed and validated at ``ranks``."""
+    from codegeex_train.config.arguments import parse_args, validate
+
+    args = parse_args(argv[argv.index(f"{ROOT}/codegeex_train/pretrain.py") + 1:])
+    validate(args, int(ranks))
+    return args
+
+
+def test_sp_and_selective_recompute_go_into_the_command(script):
+    from codegeex_train.config.arguments import recompute_from_args
+
+    layout, env, argv = dry_run(script, TP="2", SP="1", RECOMPUTE="selective")
+    assert (layout["SP"], layout["RECOMPUTE"], layout["TP"]) == ("1", "selective", "2")
+    assert argv.count("--sequence-parallel") == 1 and flag(argv, "--recompute-granularity") == "selective"
+    assert "--checkpoint-activations" not in argv and env == CPU_DEFAULT_ENV
+    args = pretrain_args(argv, layout["RANKS"])
+    assert args.parallel.sequence_parallel and recompute_from_args(args).describe() == "selective (core_attn)"
+    # Nothing else changes: the default command with the two flags after the layout's.
+    layout, _, argv = dry_run(script, SP="1", RECOMPUTE="full")
+    assert (layout["SP"], layout["RECOMPUTE"]) == ("1", "full")
+    default = cpu_default_argv()
+    at = default.index("--pipeline-model-parallel-size") + 2
+    assert argv == default[:at] + ["--sequence-parallel", "--recompute-granularity", "full"] + default[at:]
+
+
+def test_sp_with_tp_1_is_passed_on_and_pretrain_warns(script):
+    """As in Megatron: SP at TP 1 is no error, pretrain.py warns that it does nothing."""
+    layout, _, argv = dry_run(script, SP="1")
+    assert (layout["TP"], layout["SP"], layout["RECOMPUTE"]) == ("1", "1", "none") and "--sequence-parallel" in argv
+    assert "--recompute-granularity" not in argv
+    with pytest.warns(UserWarning, match="--sequence-parallel with --tensor-model-parallel-size 1 does nothing"):
+        pretrain_args(argv, layout["RANKS"])
+
+
+def test_default_cpu_layout_line_shows_no_sp_and_no_recompute(script):
+    layout, _, argv = dry_run(script, RECOMPUTE="none", SP="0")
+    assert (layout["SP"], layout["RECOMPUTE"]) == ("0", "none") and argv == cpu_default_argv()
+
+
+@pytest.mark.parametrize("tp, variables, args, sp, recompute", [
+    ("8", {}, (), True, "selective"),  # Megatron's choice for TP 8: SP + selective, not full recompute
+    ("1", {}, (), False, "selective"),  # no SP at TP 1: its default follows TP
+    ("8", {"SP": "0", "RECOMPUTE": "full"}, (), False, "full"),
+    ("8", {"RECOMPUTE": "none"}, (), True, "none"),
+    ("8", {}, ("--checkpoint-activations",), True, "full"),  # the arguments win; no clash with selective
+    ("8", {"RECOMPUTE": "full"}, ("--recompute-granularity=selective",), True, "selective"),
+    ("1", {}, ("--tensor-model-parallel-size", "4"), True, "selective"),
+])
+def test_13b_memory_defaults_and_overrides(script, tp, variables, args, sp, recompute):
+    from codegeex_train.config.arguments import recompute_from_args
+
+    script.fake_gpus(8)
+    layout, _, argv = dry_run(script, *args, CONFIG="codegeex-13b", TP=tp, **variables)
+    assert (layout["SP"], layout["RECOMPUTE"]) == (str(int(sp)), recompute)
+    parsed = pretrain_args(argv + ["--data-path", "x"], layout["RANKS"])  # the 13B config needs DATA_PATH's data
+    assert parsed.parallel.sequence_parallel == sp
+    assert (recompute_from_args(parsed).granularity or "none") == recompute
+    assert argv.count("--sequence-parallel") <= 1
+    recompute_flags = [w for w in argv if w.split("=")[0] in ("--recompute-granularity", "--checkpoint-activations")]
+    assert len(recompute_flags) == (recompute != "none")  # one, from the script or the arguments
+
+
 def test_dry_run_prints_what_a_real_run_launches(script):
     """The real path, with the fake launcher: the same argv and environment as the dry run printed."""
     out, data = script.tmp / "out", str(script.tmp / "data" / "code_text_document")  # the fake never reads it
@@ -241,6 +305,8 @@ def test_layout_flags_in_the_arguments_are_the_ones_checked(script):
     (0, {"MICRO_BATCH": "0"}, (), "MICRO_BATCH=0: must be at least 1"),
     (0, {"CONFIG": "huge"}, (), "CONFIG=huge"),
     (0, {"DEVICE": "tpu"}, (), "DEVICE=tpu"),
+    (0, {"SP": "yes"}, (), "SP=yes: use 1"),
+    (0, {"RECOMPUTE": "partial"}, (), "RECOMPUTE=partial: use none, selective or full"),
     (0, {"INIT_FROM": "/nonexistent/ckpt"}, (), "INIT_FROM=/nonexistent/ckpt: no such directory"),
     (0, {"HOSTFILE": "/nonexistent/hostfile"}, (), "no such file"),
     (0, {"HOSTFILE": "{bad_hostfile}"}, (), "not a 'hostname slots=N' line: node2 gpus=8"),

@@ -1,8 +1,10 @@
 """A resume is exact with dropout on: every random stream (the default generator that replicated dropout
 draws from, the TP tracker's sharded-dropout stream) continues where the interrupted run left it, on every
-TP, DP and PP rank, and nothing draws from them around the resume (the data loader has its own generator). That
-dropout is really on in these runs is checked too: turning either kind off changes the first iteration's loss (at
-TP 2), and each dropout site draws a new mask on every call in training mode."""
+TP, DP and PP rank, and nothing draws from them around the resume (the data loader has its own generator); also under
+sequence parallelism, where the hidden dropout in the sequence-split region draws from the TP tracker's stream too
+(with selective recompute at PP 2: the recomputed attention replays its masks). That dropout is really on in these
+runs is checked too: turning either kind off changes the first iteration's loss (at TP 2), and each dropout site
+draws a new mask on every call in training mode."""
 
 import pytest
 import torch
@@ -15,9 +17,14 @@ DROPOUT = ["--num-layers", "4", "--hidden-dropout", "0.1", "--attention-dropout"
            str(SAVED_AT)]
 
 
-@pytest.mark.parametrize("tp,pp,dp", [(2, 1, 1), (1, 1, 2), (1, 2, 1)], ids=["tp2", "dp2", "pp2"])
-def test_resume_with_dropout_is_bitwise_exact(tmp_path, tiny_data, tp, pp, dp):
-    layout = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
+SP = ["--sequence-parallel"]
+
+
+@pytest.mark.parametrize("tp,pp,dp,extra", [(2, 1, 1, []), (1, 1, 2, []), (1, 2, 1, []), (2, 1, 1, SP),
+                                            (2, 2, 1, SP + ["--recompute-granularity", "selective"])],
+                         ids=["tp2", "dp2", "pp2", "tp2sp", "tp2pp2sp"])
+def test_resume_with_dropout_is_bitwise_exact(tmp_path, tiny_data, tp, pp, dp, extra):
+    layout = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp), *extra]
     full = tmp_path / "full"
     run_distributed(run_pretrain, world_size=tp * pp * dp, tp_size=tp, pp_size=pp, deadline_s=600,
                     argv=tiny_pretrain_args(tiny_data, str(full), ITERS, *DROPOUT, *layout))
@@ -28,7 +35,7 @@ def test_resume_with_dropout_is_bitwise_exact(tmp_path, tiny_data, tp, pp, dp):
     assert sorted(b) == list(range(SAVED_AT + 1, ITERS + 1))
     # The control, once (TP 2 draws from both streams: replicated and sharded dropout): the same first iteration
     # (same seed, weights, data) with hidden or attention dropout off. The unit test below covers every site.
-    for kind in ("--hidden-dropout", "--attention-dropout") if tp == 2 else ():
+    for kind in ("--hidden-dropout", "--attention-dropout") if tp == 2 and not extra else ():
         control = tmp_path / f"no{kind}"
         run_distributed(run_pretrain, world_size=tp * pp * dp, tp_size=tp, pp_size=pp, deadline_s=600,
                         argv=tiny_pretrain_args(tiny_data, str(control), ITERS, *DROPOUT, *layout, kind, "0",
