@@ -13,10 +13,15 @@ from __future__ import annotations
 import warnings
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from codegeex_train import pretrain
+from codegeex_train.checkpoint.files import load_model_checkpoint
 from codegeex_train.config.arguments import parse_args
+from codegeex_train.generation.generator import Generator
+from codegeex_train.generation.sampling import SamplingParams
+from codegeex_train.model.codegeex import CodeGeeXModel
 from codegeex_train.testing import checkpoint_at, load_tool, metrics_records, run_distributed, tiny_pretrain_args
 
 ITERS = 10
@@ -169,11 +174,21 @@ def save_with_sp_resume_without(topology, full_argv, resumed_argv, full, at_save
     """TP 2: train with SP (saving at SAVED_AT); rank 0 cuts the checkpoint at SAVED_AT and converts it to universal;
     then resume that checkpoint at TP 2 without SP."""
     pretrain.main(full_argv)
+    # Generation ignores SP but loads its checkpoints: the same logits as the model built with SP, then decoding.
+    generator = Generator.from_checkpoint(full, None, tp_group=topology.tp_group)
+    with_sp = CodeGeeXModel(generator.config, topology.tp_group, None, sequence_parallel=True).eval()
+    load_model_checkpoint(full, with_sp)
+    ids = torch.arange(3, 3 + 16).reshape(2, 8)
+    positions = torch.arange(8).expand(2, 8)
+    with torch.no_grad():
+        gap = (with_sp(ids, positions, gather_logits=True) - generator.model(ids, positions, gather_logits=True))
+    decoded = generator.generate_ids([[3, 4, 5]], SamplingParams(max_new_tokens=4))
     if topology.rank == 0:
         checkpoint_at(full, at_save, SAVED_AT)
         load_tool("convert_checkpoint").main(["--load", at_save, "--to-universal", universal])
     dist.barrier()
     pretrain.main(resumed_argv)
+    return {"logits_gap": gap.abs().max().item(), "decoded": decoded}
 
 
 def test_checkpoint_saved_with_sp_resumes_without(tmp_path, tiny_data):
@@ -182,10 +197,13 @@ def test_checkpoint_saved_with_sp_resumes_without(tmp_path, tiny_data):
     full, at_save, universal = tmp_path / "full", tmp_path / "at_save", tmp_path / "universal"
     args = lambda save, tp, *extra: tiny_pretrain_args(tiny_data, str(save), RESUME_ITERS, "--save-interval",
                                                        str(SAVED_AT), "--tensor-model-parallel-size", str(tp), *extra)
-    run_distributed(save_with_sp_resume_without, world_size=2, tp_size=2, deadline_s=600,
-                    full_argv=args(full, 2, "--sequence-parallel"),
-                    resumed_argv=args(tmp_path / "tp2", 2, "--load", str(at_save)),
-                    full=str(full), at_save=str(at_save), universal=str(universal))
+    ranks = run_distributed(save_with_sp_resume_without, world_size=2, tp_size=2, deadline_s=600,
+                            full_argv=args(full, 2, "--sequence-parallel"),
+                            resumed_argv=args(tmp_path / "tp2", 2, "--load", str(at_save)),
+                            full=str(full), at_save=str(at_save), universal=str(universal))
+    for rank in ranks:  # the SP checkpoint, loaded for generation (no SP): same logits, and it decodes
+        assert rank["logits_gap"] < 1e-5 and len(rank["decoded"][0]) == 4, rank
+    assert ranks[0]["decoded"] == ranks[1]["decoded"]
     run_distributed(train_runs, world_size=1, deadline_s=600,
                     runs=[(args(tmp_path / "tp1", 1, "--load", str(universal)), None)])
     reference = metrics_records(full)
