@@ -1,12 +1,15 @@
-"""Pipeline parallelism: the layer split per stage (stages.py), point-to-point between neighbour stages (p2p.py),
-the 1F1B / interleaved 1F1B / no-pipelining / forward-only schedules as pure functions and their executor
-(schedules.py), their replay against the data dependencies (simulate.py: deadlock, bubble, activations in flight),
-and the tied-embedding gradient sum under ZeRO-2 (shared_embedding.py).
+"""Pipeline parallelism: the layer split per stage (stages.py), point-to-point between neighbour stages (p2p.py;
+interleaved 1F1B's tagged transfers on the ring), the 1F1B / interleaved 1F1B / no-pipelining / forward-only
+schedules as pure functions, their pairing with transfers and their executor (schedules.py), their replay against
+the data dependencies (simulate.py: deadlock, bubble, activations in flight), and the tied-embedding gradient sum
+under ZeRO-2 (shared_embedding.py).
 
 May import: ``distributed`` (the topology's groups); nothing above it."""
 
-from codegeex_train.pipeline.p2p import P2PCommunicator
+from codegeex_train.pipeline.p2p import P2PCommunicator, Transfer
 from codegeex_train.pipeline.schedules import (
+    ChunkedPipelineStage,
+    Exchange,
     Op,
     PipelineStage,
     ScheduleStats,
@@ -28,6 +31,9 @@ from codegeex_train.pipeline.stages import PipelineSplitError, stage_layer_count
 
 __all__ = [
     "P2PCommunicator",
+    "Transfer",
+    "ChunkedPipelineStage",
+    "Exchange",
     "Op",
     "PipelineStage",
     "ScheduleStats",

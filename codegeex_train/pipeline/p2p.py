@@ -5,12 +5,55 @@ TP rank r of a stage talks to TP rank r of the neighbour stage (same DP rank): `
 on both sides from the flags, so no shapes are exchanged. Each call posts its sends and receives as one
 ``batch_isend_irecv`` and waits for them: on NCCL the batch is one fused group (two stages sending to
 each other at once cannot deadlock), on gloo the ops run as async pairs.
+
+Gloo's sends are rendezvous: a send's data leaves only once the peer has posted the matching receive (the pair
+trades "send ready" / "recv ready" notices), so a rank waiting on a send is blocked until the peer reaches that
+receive. Gloo matches a send to a receive by (peer, tag), first posted to first posted.
+
+Interleaved 1F1B (``num_chunks`` > 1) runs on the pipeline's ring: rank p-1 sends chunk c's output on to rank 0's
+chunk c+1, rank 0 sends chunk c's input gradient back to rank p-1's chunk c-1, so both ends have both neighbours
+(``for_topology(..., num_chunks=v)``). Its transfers go through ``exchange``: one ``Transfer`` each, tagged by the
+virtual-stage boundary they cross and their direction (``Transfer.tag``), so that with p = 2, where both neighbours
+are the same rank, an activation and a gradient travelling between the same two ranks, or two chunks' transfers,
+can never be matched with each other.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One point-to-point transfer of interleaved 1F1B, named from this rank's side.
+
+    kind   send_forward (this chunk's output, to the next rank), recv_forward (this chunk's input, from the
+           previous rank), send_backward (the gradient of this chunk's input, to the previous rank) or
+           recv_backward (the gradient of this chunk's output, from the next rank); neighbours on the ring
+    mb, chunk  the micro-batch and the model chunk of *this* rank the tensor belongs to
+    boundary   the chunk of the upstream side of the virtual-stage boundary crossed (the sender of the activation,
+               the receiver of the gradient): both ends of a transfer compute the same one, so
+               tag = 2·boundary + (0 forward, 1 backward) is the same at both ends and distinct per stream
+    """
+    kind: str
+    mb: int
+    chunk: int
+    boundary: int
+
+    @property
+    def is_send(self) -> bool:
+        return self.kind.startswith("send")
+
+    @property
+    def is_forward(self) -> bool:
+        return self.kind.endswith("forward")
+
+    @property
+    def tag(self) -> int:
+        return 2 * self.boundary + (0 if self.is_forward else 1)
 
 
 class P2PCommunicator:
@@ -25,9 +68,12 @@ class P2PCommunicator:
         self.bytes_sent = 0
 
     @classmethod
-    def for_topology(cls, topology, shape, dtype, device, log=None) -> "P2PCommunicator":
-        return cls(None if topology.is_first_stage else topology.prev_rank,
-                   None if topology.is_last_stage else topology.next_rank, shape, dtype, device, log,
+    def for_topology(cls, topology, shape, dtype, device, log=None, num_chunks: int = 1) -> "P2PCommunicator":
+        """The stage's communicator; with ``num_chunks`` > 1 (interleaved) the first and last stages are each
+        other's neighbours (the ring: topology.prev_rank / next_rank wrap)."""
+        ring = num_chunks > 1
+        return cls(topology.prev_rank if ring or not topology.is_first_stage else None,
+                   topology.next_rank if ring or not topology.is_last_stage else None, shape, dtype, device, log,
                    topology.pp_group)
 
     def _exchange(self, sends: list[tuple[torch.Tensor, int]], recv_from: int | None) -> torch.Tensor | None:
@@ -40,6 +86,33 @@ class P2PCommunicator:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
         self.bytes_sent += sum(t.numel() * t.element_size() for t, _ in sends)
+        return received
+
+    def exchange(self, transfers: list[tuple[Transfer, torch.Tensor | None]]) -> list[torch.Tensor | None]:
+        """Post ``transfers`` (each with its tensor for a send, None for a receive) as one batch, in the order
+        given, and wait for all of them; return what each receive got (None for the sends). Activations go to
+        ``next_rank`` and come from ``prev_rank``, gradients the other way; each transfer carries its tag."""
+        ops, received, sent = [], [], 0
+        for transfer, tensor in transfers:
+            forward = transfer.is_forward
+            if transfer.is_send:
+                peer = self.next_rank if forward else self.prev_rank
+                ops.append(dist.P2POp(dist.isend, tensor.contiguous(), peer, self.group, transfer.tag))
+                sent += tensor.numel() * tensor.element_size()
+                received.append(None)
+            else:
+                peer = self.prev_rank if forward else self.next_rank
+                buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+                ops.append(dist.P2POp(dist.irecv, buffer, peer, self.group, transfer.tag))
+                received.append(buffer)
+            if peer is None:
+                raise ValueError(f"{transfer} has no peer: interleaved transfers need the ring "
+                                 f"(P2PCommunicator.for_topology(..., num_chunks=v))")
+        self._record(*((t.kind, t.mb, t.chunk) for t, _ in transfers))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        self.bytes_sent += sent
         return received
 
     def _record(self, *events) -> None:

@@ -19,8 +19,47 @@ A schedule is this stage's order of forward (F) and backward (B) micro-batch ste
 ``with_p2p_ops`` turns a one-chunk schedule into the ops the stage runs, pairing a send with the receive that
 follows it (send-forward + receive-backward after a steady forward, send-backward + receive-forward after a steady
 backward), as Megatron does. Stage s then holds at most w + 1 = p - s micro-batches of activations in 1F1B.
-It refuses interleaved steps (chunk > 0) for now: their transfers also wrap from rank p-1 to rank 0 between
-chunks. ``simulate.py`` replays all ranks' schedules against the data dependencies (deadlock, bubble).
+``simulate.py`` replays all ranks' schedules against the data dependencies (deadlock, bubble).
+
+With ``num_chunks`` = v > 1 it pairs interleaved steps as Megatron's interleaved loop does, on the ring (rank p-1's
+chunk c feeds rank 0's chunk c+1; rank 0's chunk c sends its input gradient to rank p-1's chunk c-1; the first
+virtual stage, rank 0 chunk 0, reads its own input; the last, rank p-1 chunk v-1, computes the loss). The steps
+are cut into slots: a warm-up forward, a steady (forward, backward) pair, a cool-down backward. Before the first
+slot and after every slot comes one ``Exchange``, a single blocking batch holding
+
+    the sends the slot owes      its forward's output, its backward's input gradient
+    the receives the next needs  its forward's input, its backward's output gradient
+
+posted in the order send_forward, recv_forward, send_backward, recv_backward (Megatron's send_forward_recv_forward
+in the warm-up, the 4-way send_forward_backward_recv_forward_backward in the steady state, send_backward_recv_backward
+in the cool-down). Numbering rank r's exchanges j = 0, 1, ...: exchange j sends F_{j-1}'s output and B_{j-1-w}'s
+gradient and receives F_j's input and B_{j-w}'s gradient (F_i, B_i: the rank's i-th forward, backward; w its warm-up).
+The slots are read off the steps: a rank whose forwards all come first is all warm-up (w = m·v: the last forward's
+exchange also receives B_0's gradient), also where the formula gives w = m·v - 1, whose steps are the same (there
+Megatron runs F_{m·v-1}, B_0 as one steady pair; both pairings are deadlock-free, replayed in the tests).
+
+Why it cannot deadlock. Gloo sends are rendezvous (a send completes only once the peer posted its receive), so
+what matters is which batches are posted together. All ranks run the forwards in the same (micro-batch, chunk)
+order, and F_i's input on rank r + 1 is F_i's output on rank r (on the wrap, rank p-1's F_i feeds rank 0's
+F_{i+p}); the backwards mirror it. So the output rank r sends in exchange j is received by rank r+1 in its exchange
+j-1, and, as the warm-ups differ by exactly 2 between neighbours, the gradient rank r+1 sends in its exchange j' is
+received by rank r in its exchange j'+1. Giving rank r's exchange j the round j + r, every transfer's two ends are
+in the same round (on the wrap too: rank 0's exchange j meets rank p-1's exchange j - (p-1)), and each rank's rounds
+increase; so round by round every batch of the round finds all its peers' batches posted and completes (induction
+on the round). Where the warm-up is capped at m·v (few micro-batches, e.g. p = 4, v = 2, m = 4) the rounds no
+longer line up exactly; tests/pipeline/test_executor_interleaved.py replays every rank's ops under rendezvous
+semantics for those cases too, and runs them on real gloo ranks.
+
+p = 2: both neighbours are the same rank, so in one exchange rank 0 may send an activation and a gradient to rank 1
+and receive both from it. Gloo matches by (peer, tag), first posted first matched; each ``Transfer`` is tagged
+2·boundary + direction (the upstream chunk of the virtual-stage boundary it crosses, both ends agreeing), so each
+tag is one stream, sent and received in the same (micro-batch) order at both ends, and an activation cannot be
+taken for a gradient. The fixed posting order (forward before backward, at both ends) keeps the matching right
+even for a backend that ignores tags (NCCL; replayed untagged in the tests). Megatron's parallel_state refuses
+interleaving with p <= 2; its batch order (send to prev, receive from prev, send to next, receive from next),
+untagged, takes a gradient for an activation there (the tests' replay shows it).
+
+v = 1 keeps today's 1F1B ops exactly.
 
 The executor's contract with a stage (``PipelineStage``):
     forward_step(mb, input_tensor) -> output     input_tensor: None on the first stage (it reads its own
@@ -28,6 +67,9 @@ The executor's contract with a stage (``PipelineStage``):
     backward_step(mb, input_tensor, output, output_grad) -> input_grad
                                                  output_grad: None on the last stage (the loss starts it);
                                                  input_grad: None on the first stage
+and, for interleaved ops, with the chunk after the micro-batch (``ChunkedPipelineStage``): forward_step(mb, chunk,
+input_tensor), backward_step(mb, chunk, input_tensor, output, output_grad); "first" and "last" then mean the first
+and last virtual stage (rank 0 chunk 0, rank p-1 chunk v-1).
 """
 
 from __future__ import annotations
@@ -37,7 +79,7 @@ from typing import Protocol
 
 import torch
 
-from codegeex_train.pipeline.p2p import P2PCommunicator
+from codegeex_train.pipeline.p2p import P2PCommunicator, Transfer
 
 
 @dataclass(frozen=True)
@@ -119,13 +161,25 @@ class Op:
     #            send_forward_recv_backward, send_backward_recv_forward
     mb: int
     recv_mb: int | None = None  # the micro-batch received by a combined op
+    chunk: int = 0  # forward / backward of interleaved ops: the model chunk
 
 
-def with_p2p_ops(steps: list[Step], is_first: bool, is_last: bool) -> list[Op]:
-    """The ops of a stage: each step with the receives it needs before and the sends it owes after."""
+@dataclass(frozen=True)
+class Exchange:
+    """Interleaved ops: ``transfers`` posted as one batch (``P2PCommunicator.exchange``) and waited for."""
+    transfers: tuple[Transfer, ...]
+    kind = "exchange"
+
+
+def with_p2p_ops(steps: list[Step], is_first: bool, is_last: bool, num_chunks: int = 1) -> list[Op | Exchange]:
+    """The ops of a stage: each step with the receives it needs before and the sends it owes after.
+
+    ``num_chunks`` > 1: the interleaved pairing (module docstring), ``is_first`` / ``is_last`` being this rank's
+    place in the pipeline (pipeline rank 0 / p-1, not the virtual stage)."""
+    if num_chunks > 1:
+        return _interleaved_p2p_ops(steps, is_first, is_last, num_chunks)
     if any(step.chunk for step in steps):
-        raise ValueError("with_p2p_ops pairs the transfers of one model chunk; interleaved steps (chunk > 0) "
-                         "need chunk-aware pairing")
+        raise ValueError("with_p2p_ops: interleaved steps (chunk > 0) need chunk-aware pairing: pass num_chunks")
     ops: list[Op] = []
     received: set[tuple[str, int]] = set()
     for i, step in enumerate(steps):
@@ -153,6 +207,64 @@ def with_p2p_ops(steps: list[Step], is_first: bool, is_last: bool) -> list[Op]:
     return ops
 
 
+_EXCHANGE_ORDER = {"send_forward": 0, "recv_forward": 1, "send_backward": 2, "recv_backward": 3}
+
+
+def _interleaved_p2p_ops(steps: list[Step], is_first: bool, is_last: bool, num_chunks: int) -> list[Op | Exchange]:
+    v = num_chunks
+    for step in steps:
+        if not 0 <= step.chunk < v:
+            raise ValueError(f"with_p2p_ops: {step} is not one of the {v} model chunks")
+    # Slots: the warm-up forwards one by one, the steady (forward, backward) pairs, the cool-down backwards one by
+    # one. The warm-up is the leading forwards but the first steady one; when every forward leads, the rank is all
+    # warm-up: its last forward's exchange receives the first backward's gradient. (Pairing that forward with the
+    # first backward instead would receive B_0's gradient before computing the forward the next rank needs first:
+    # a deadlock wherever the warm-up is capped at m·v.)
+    leading = next((i for i, s in enumerate(steps) if s.kind != "F"), len(steps))
+    warmup = leading if leading == sum(s.kind == "F" for s in steps) else leading - 1
+    slots: list[list[Step]] = []
+    i = 0
+    while i < len(steps):
+        size = 2 if i >= warmup and steps[i].kind == "F" and i + 1 < len(steps) and steps[i + 1].kind == "B" else 1
+        slots.append(steps[i:i + size])
+        i += size
+
+    def first_virtual(step: Step) -> bool:
+        return is_first and step.chunk == 0
+
+    def last_virtual(step: Step) -> bool:
+        return is_last and step.chunk == v - 1
+
+    def sends(slot: list[Step]) -> list[Transfer]:
+        # a forward's output crosses the boundary above its own chunk; an input gradient the one below it, whose
+        # upstream chunk is this chunk - 1 on rank 0 (it goes round to rank p-1), this chunk elsewhere
+        out = []
+        for s in slot:
+            if s.kind == "F" and not last_virtual(s):
+                out.append(Transfer("send_forward", s.mb, s.chunk, s.chunk))
+            elif s.kind == "B" and not first_virtual(s):
+                out.append(Transfer("send_backward", s.mb, s.chunk, s.chunk - 1 if is_first else s.chunk))
+        return out
+
+    def receives(slot: list[Step]) -> list[Transfer]:
+        out = []
+        for s in slot:
+            if s.kind == "F" and not first_virtual(s):
+                out.append(Transfer("recv_forward", s.mb, s.chunk, s.chunk - 1 if is_first else s.chunk))
+            elif s.kind == "B" and not last_virtual(s):
+                out.append(Transfer("recv_backward", s.mb, s.chunk, s.chunk))
+        return out
+
+    ops: list[Op | Exchange] = []
+    for t in range(len(slots) + 1):
+        transfers = (sends(slots[t - 1]) if t > 0 else []) + (receives(slots[t]) if t < len(slots) else [])
+        if transfers:
+            ops.append(Exchange(tuple(sorted(transfers, key=lambda x: _EXCHANGE_ORDER[x.kind]))))
+        if t < len(slots):
+            ops += [Op("forward" if s.kind == "F" else "backward", s.mb, chunk=s.chunk) for s in slots[t]]
+    return ops
+
+
 class PipelineStage(Protocol):
     def forward_step(self, mb: int, input_tensor: torch.Tensor | None) -> torch.Tensor: ...
 
@@ -160,49 +272,102 @@ class PipelineStage(Protocol):
                       output_grad: torch.Tensor | None) -> torch.Tensor | None: ...
 
 
+class ChunkedPipelineStage(Protocol):
+    """A rank holding several model chunks (interleaved 1F1B): the chunk follows the micro-batch."""
+
+    def forward_step(self, mb: int, chunk: int, input_tensor: torch.Tensor | None) -> torch.Tensor: ...
+
+    def backward_step(self, mb: int, chunk: int, input_tensor: torch.Tensor | None, output: torch.Tensor,
+                      output_grad: torch.Tensor | None) -> torch.Tensor | None: ...
+
+
+class _OneChunk:
+    """A ``PipelineStage`` seen as a ``ChunkedPipelineStage`` with the single chunk 0."""
+
+    def __init__(self, stage: PipelineStage):
+        self.stage = stage
+
+    def forward_step(self, mb, chunk, input_tensor):
+        assert chunk == 0, chunk
+        return self.stage.forward_step(mb, input_tensor)
+
+    def backward_step(self, mb, chunk, input_tensor, output, output_grad):
+        assert chunk == 0, chunk
+        return self.stage.backward_step(mb, input_tensor, output, output_grad)
+
+
 @dataclass
 class ScheduleStats:
-    peak_in_flight: int = 0  # most micro-batches whose activations this stage held at once
-    log: list = field(default_factory=list)  # ("forward", mb) / ("backward", mb), in execution order
+    peak_in_flight: int = 0  # most (micro-batch, chunk) activations this stage held at once
+    log: list = field(default_factory=list)  # ("forward", mb) / ("backward", mb), in execution order; interleaved
+    #                                          ops: ("forward", mb, chunk) / ("backward", mb, chunk)
 
 
-def run_schedule(ops: list[Op], stage: PipelineStage, comm: P2PCommunicator,
-                 stats: ScheduleStats | None = None) -> ScheduleStats:
-    """Execute ``ops``. Activations (input, output) live from a micro-batch's forward to its backward;
-    forward-only ops (no backward) drops them at once."""
+def run_schedule(ops: list[Op | Exchange], stage: PipelineStage | ChunkedPipelineStage, comm: P2PCommunicator,
+                 stats: ScheduleStats | None = None, chunked: bool | None = None) -> ScheduleStats:
+    """Execute ``ops``. Activations (input, output) live from a (micro-batch, chunk)'s forward to its backward;
+    forward-only ops (no backward) drop them once the output is sent. ``chunked``: call the stage with the chunk
+    (``ChunkedPipelineStage``); by default when the ops are interleaved (``with_p2p_ops(..., num_chunks > 1)``)."""
     stats = stats or ScheduleStats()
+    if chunked is None:
+        chunked = any(isinstance(op, Exchange) or op.chunk for op in ops)
+    run = stage if chunked else _OneChunk(stage)
     has_backward = any(op.kind == "backward" for op in ops)
-    inputs: dict[int, torch.Tensor | None] = {}
-    outputs: dict[int, torch.Tensor] = {}
-    output_grads: dict[int, torch.Tensor | None] = {}
-    input_grad = None
+    Key = tuple[int, int]  # (micro-batch, chunk)
+    inputs: dict[Key, torch.Tensor | None] = {}
+    outputs: dict[Key, torch.Tensor] = {}  # awaiting their backward
+    unsent: dict[Key, torch.Tensor] = {}  # forward-only: awaiting their send
+    output_grads: dict[Key, torch.Tensor | None] = {}
+    input_grads: dict[Key, torch.Tensor | None] = {}  # awaiting their send
+    output = input_grad = None
     for op in ops:
+        if isinstance(op, Exchange):
+            outgoing = []
+            for t in op.transfers:
+                key = (t.mb, t.chunk)
+                if t.kind == "send_forward":
+                    outgoing.append((t, outputs[key] if key in outputs else unsent.pop(key)))
+                elif t.kind == "send_backward":
+                    outgoing.append((t, input_grads.pop(key)))
+                else:
+                    outgoing.append((t, None))
+            for (t, _), received in zip(outgoing, comm.exchange(outgoing)):
+                if t.kind == "recv_forward":
+                    inputs[(t.mb, t.chunk)] = received
+                elif t.kind == "recv_backward":
+                    output_grads[(t.mb, t.chunk)] = received
+            continue
+        key = (op.mb, op.chunk)
         if op.kind == "recv_forward":
-            inputs[op.mb] = comm.recv_forward(op.mb)
+            inputs[key] = comm.recv_forward(op.mb)
         elif op.kind == "forward":
-            stats.log.append(("forward", op.mb))
-            output = stage.forward_step(op.mb, inputs.get(op.mb))
+            stats.log.append(("forward", *key) if chunked else ("forward", op.mb))
+            output = run.forward_step(op.mb, op.chunk, inputs.get(key))
             if has_backward:
-                outputs[op.mb] = output
+                outputs[key] = output
                 stats.peak_in_flight = max(stats.peak_in_flight, len(outputs))
             else:
-                inputs.pop(op.mb, None)
+                inputs.pop(key, None)
+                if chunked:
+                    unsent[key] = output
         elif op.kind == "send_forward":
             comm.send_forward(output, op.mb)
         elif op.kind == "send_forward_recv_backward":
-            output_grads[op.recv_mb] = comm.send_forward_recv_backward(output, op.mb, op.recv_mb)
+            output_grads[(op.recv_mb, 0)] = comm.send_forward_recv_backward(output, op.mb, op.recv_mb)
         elif op.kind == "recv_backward":
-            output_grads[op.mb] = comm.recv_backward(op.mb)
+            output_grads[key] = comm.recv_backward(op.mb)
         elif op.kind == "backward":
-            stats.log.append(("backward", op.mb))
-            input_grad = stage.backward_step(op.mb, inputs.pop(op.mb, None), outputs.pop(op.mb),
-                                             output_grads.pop(op.mb, None))
+            stats.log.append(("backward", *key) if chunked else ("backward", op.mb))
+            input_grad = run.backward_step(op.mb, op.chunk, inputs.pop(key, None), outputs.pop(key),
+                                           output_grads.pop(key, None))
+            if chunked:
+                input_grads[key] = input_grad
         elif op.kind == "send_backward":
             comm.send_backward(input_grad, op.mb)
         elif op.kind == "send_backward_recv_forward":
-            inputs[op.recv_mb] = comm.send_backward_recv_forward(input_grad, op.mb, op.recv_mb)
+            inputs[(op.recv_mb, 0)] = comm.send_backward_recv_forward(input_grad, op.mb, op.recv_mb)
         else:
             raise ValueError(f"unknown pipeline op {op.kind!r}")
     if outputs or output_grads:
-        raise RuntimeError(f"schedule left micro-batches {sorted(outputs)} without a backward")
+        raise RuntimeError(f"schedule left (micro-batch, chunk) pairs {sorted(outputs)} without a backward")
     return stats
