@@ -7,9 +7,11 @@ setup(
     "parallelism, pipeline parallelism and DeepSpeed ZeRO-2 data parallelism.",
     packages=find_packages(include=["codegeex_train", "codegeex_train.*"]),
     python_requires=">=3.10",
-    # torch is a range, never a pinned build: users bring their own CUDA build.
+    # torch is a range, never a pinned build: users bring their own CUDA build. The floor is the first release
+    # without known bypasses of torch.load(weights_only=True), which every checkpoint read relies on:
+    # CVE-2025-32434 (fixed in 2.6.0) and CVE-2026-24747 (fixed in 2.10.0); checkpoint/safe_load.py MIN_TORCH.
     install_requires=[
-        "torch>=2.4",
+        "torch>=2.10",
         "deepspeed>=0.18.3",
         "transformers>=4.40",
         "tokenizers>=0.19",

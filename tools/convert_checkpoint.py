@@ -28,7 +28,9 @@ our fused query_key_value; the top query layer's K, V <-> key_value) is in codeg
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import stat
 import sys
 from pathlib import Path
 from typing import NamedTuple
@@ -49,13 +51,17 @@ from codegeex_train.checkpoint.files import (
     save_model_checkpoint,
 )
 from codegeex_train.checkpoint.hf_gpt2 import config_from_hf_gpt2, full_to_hf_gpt2, hf_gpt2_config, hf_gpt2_to_full
-from codegeex_train.checkpoint.safe_load import safe_torch_load, verify_files
+from codegeex_train.checkpoint.safe_load import file_kind, open_regular, safe_torch_load, verify_files
 from codegeex_train.checkpoint.sharding import split_model_parallel
 from codegeex_train.checkpoint.universal import to_universal
 from codegeex_train.config.model import ModelConfig
 from codegeex_train.pipeline.stages import stage_layer_ranges
 
 PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth")  # what an HF directory may hold besides safetensors
+# The index files of sharded weights (save_pretrained): {"weight_map": {parameter name: shard file name}}.
+HF_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+HF_FILES = (".json", ".safetensors", ".bin", ".pt", ".pth")  # what transformers may open in HF_DIR
+MAX_INDEX_BYTES = 64 << 20
 
 
 class Layout(NamedTuple):  # not a dataclass: tests load this file as a module outside sys.modules
@@ -72,16 +78,64 @@ class Layout(NamedTuple):  # not a dataclass: tests load this file as a module o
         return stage_layer_ranges(config.num_layers, self.pp_size, self.first, self.last)
 
 
+def _regular(path: Path, what: str) -> None:
+    """``path`` (links followed: the Hub's cache links each file to its blob) must exist and be a regular file."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        raise CheckpointError(f"--from-hf: {what} {path}: {e.strerror or e}") from None
+    if not stat.S_ISREG(mode):
+        raise CheckpointError(f"--from-hf: {what} {path} is {file_kind(mode)}, not a regular file")
+
+
+def hf_weight_files(hf_dir: str) -> list[Path]:
+    """The pickled weight files of ``hf_dir`` to check before transformers opens any: those in it and every shard
+    its index files name. Every file transformers may open (``HF_FILES``) must be a regular file; an index that is
+    not JSON, or names a shard that is missing, not a regular file, or not a plain name inside ``hf_dir`` (``../``,
+    a path), is refused."""
+    hf = Path(hf_dir)
+    for path in sorted(hf.iterdir()):
+        if path.name.endswith(HF_FILES):
+            _regular(path, "file")
+    pickled = {p for pattern in PICKLED_WEIGHTS for p in hf.glob(pattern)}
+    for index_name in HF_INDEXES:
+        index = hf / index_name
+        if not os.path.lexists(index):
+            continue
+        fd = open_regular(index)
+        try:
+            data = os.read(fd, MAX_INDEX_BYTES + 1)
+        finally:
+            os.close(fd)
+        try:
+            weight_map = json.loads(data).get("weight_map") if len(data) <= MAX_INDEX_BYTES else None
+        except (ValueError, AttributeError):  # not JSON, or JSON but not an object
+            weight_map = None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"--from-hf: {index} is not a weights index (a JSON object whose 'weight_map' maps "
+                                  f"parameter names to shard file names)")
+        for shard in sorted(set(weight_map.values())):
+            if shard in ("", ".", "..") or os.path.basename(shard) != shard or "\\" in shard:
+                raise CheckpointError(f"--from-hf: {index} names the shard {shard[:80]!r}, which is not a file name "
+                                      f"inside {hf_dir}: refused")
+            _regular(hf / shard, f"shard named by {index.name}:")
+            if not shard.endswith(".safetensors"):  # anything else is read as a pickle
+                pickled.add(hf / shard)
+    return sorted(pickled)
+
+
 def from_hf(hf_dir: str, save_dir: str, layout: Layout, make_vocab_size_divisible_by: int) -> None:
     if not (Path(hf_dir) / "config.json").is_file():  # and never a Hub lookup of a mistyped path
         raise CheckpointError(f"--from-hf {hf_dir}: not a Hugging Face model directory (no config.json)")
+    weight_files = hf_weight_files(hf_dir)  # before transformers opens anything (its config.json included)
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = config_from_hf_gpt2(GPT2Config.from_pretrained(hf_dir, local_files_only=True),
                                  make_vocab_size_divisible_by)
     stage_layers = layout.stage_layers(config)  # a bad split fails before the weights load
-    # Pickled weights (older save_pretrained) pass our weights-only check before transformers opens them.
-    verify_files(sorted(p for pattern in PICKLED_WEIGHTS for p in Path(hf_dir).glob(pattern)))
+    # Pickled weights (older save_pretrained, or named by an index) pass our weights-only check before transformers
+    # opens them.
+    verify_files(weight_files)
     hf_model = GPT2LMHeadModel.from_pretrained(hf_dir, local_files_only=True)
     full = hf_gpt2_to_full(hf_model.state_dict(), config)
     save_model_checkpoint(save_dir, split_model_parallel(full, config, layout.tp_size, stage_layers), config,

@@ -3,11 +3,13 @@
 ==================  ==========================================================================================
 ``files.py``        the layout on disk: ``latest``, tags, one model file per model-parallel rank, its metadata
 ``safe_load.py``    weights-only unpickling of every file we read: a file whose pickle would run code is refused
+``deepspeed_files.py``  the structure of DeepSpeed's model and ZeRO files, checked before anything indexes them
 ``sharding.py``     full (TP = 1) <-> TP-sharded state dicts, full -> pipeline stages
 ``hf_gpt2.py``      Hugging Face GPT-2 <-> our full state dict
 ``codegeex_weights.py``  the released CodeGeeX checkpoint layout <-> our full state dict
 ``train_state.py``  the counters and RNG streams a resume needs beyond model and optimizer
-``training.py``     training checkpoints through DeepSpeed (model, ZeRO partitions, train state)
+``training.py``     training checkpoints through DeepSpeed (model, ZeRO partitions, train state); its checkpoint
+                    engine (weights-only loads, failed saves reported)
 ``universal.py``    the layout-free training checkpoint: resume at any TP / PP / DP
 ``resume.py``       ``--load`` checked before any process group (``Resume``), then ``restore()`` once
 ==================  ==========================================================================================

@@ -11,20 +11,26 @@ files converted from elsewhere may lack it. ``checkpoint_tokenizer`` picks what 
 when any is given, else the checkpoint's, else the shipped default.
 
 ``latest`` is written last and atomically (temp file + os.replace): a crash mid-save leaves the previous
-``latest`` pointing at the previous, complete tag. Every file is read with weights-only unpickling
+``latest`` pointing at the previous, complete tag. It is read without following a symbolic link, at most
+``MAX_LATEST_BYTES`` of it, and must hold a tag (``TAG_PATTERN``: ``iter_0000123`` as ``checkpoint_tag`` writes, or
+DeepSpeed's default ``global_step123``); what it holds otherwise is never echoed (it could be anything the link or
+file pointed at, such as an environment). Every file is read with weights-only unpickling
 (``checkpoint/safe_load.py``): a file whose pickle would run code is refused, naming the file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import re
+import stat
 import warnings
 from pathlib import Path
 
 import torch
 
-from codegeex_train.checkpoint.safe_load import CheckpointError, safe_torch_load
+from codegeex_train.checkpoint.safe_load import CheckpointError, check_tag_dir, file_kind, safe_torch_load
 from codegeex_train.checkpoint.sharding import merge_state_dicts
 from codegeex_train.config.model import ModelConfig
 
@@ -40,6 +46,12 @@ TOKENIZER_FILE_FLAGS = {"tokenizer_model": "--tokenizer-model", "vocab_file": "-
                         "merge_file": "--merge-file"}
 
 
+# The tags we write (checkpoint_tag; 7 digits or more) and DeepSpeed's default one; nothing else names a tag.
+TAG_PATTERN = re.compile(r"iter_[0-9]{7,}|global_step[0-9]+")
+# A tag and its newline fit many times over; more is not a tag, and is not read.
+MAX_LATEST_BYTES = 64
+
+
 def checkpoint_tag(iteration: int) -> str:
     return f"iter_{iteration:07d}"
 
@@ -49,19 +61,56 @@ def shard_file(directory: str | os.PathLike, tag: str, tp_rank: int, tp_size: in
 
 
 def write_latest(directory: str | os.PathLike, tag: str) -> None:
+    """Make ``directory/latest`` name ``tag``: a temp file (created anew, never through a link), synced, then
+    renamed over ``latest``; on any error the temp file is removed and ``latest`` is as it was."""
+    if not TAG_PATTERN.fullmatch(tag):
+        raise ValueError(f"{tag!r} is not a checkpoint tag (such as {checkpoint_tag(100)})")
     tmp = Path(directory) / "latest.tmp"
-    tmp.write_text(tag)
-    os.replace(tmp, Path(directory) / "latest")
+    if os.path.lexists(tmp):  # left by a crash (or planted): a fresh file, not whatever it points at
+        os.unlink(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(tag)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, Path(directory) / "latest")
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def read_latest(directory: str | os.PathLike) -> str:
+    """The tag ``directory/latest`` names. A symbolic link, a non-regular file, more than ``MAX_LATEST_BYTES`` or
+    anything but a tag raises CheckpointError, which says what the file is (kind, size), never what it holds."""
     path = Path(directory) / "latest"
-    if not path.is_file():
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
         raise CheckpointError(f"no checkpoint in {directory}: {path} does not exist (it names the tag to load; "
-                              f"a save writes it last, so its absence also means no save completed)")
-    tag = path.read_text().strip()
-    if not tag or "/" in tag or os.sep in tag or tag in (".", ".."):  # a tag names a directory inside DIR
-        raise CheckpointError(f"{path} holds {tag!r}, not a checkpoint tag (such as iter_0000100)")
+                              f"a save writes it last, so its absence also means no save completed)") from None
+    except OSError as e:
+        if os.path.islink(path):
+            raise CheckpointError(f"{path} is a symbolic link, not a checkpoint tag: it is never followed (a save "
+                                  f"writes 'latest' as a small file naming the tag)") from None
+        raise CheckpointError(f"cannot read {path}: {e.strerror or e}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointError(f"{path} is {file_kind(info.st_mode)}, not a checkpoint tag (a save writes "
+                                  f"'latest' as a small file naming the tag)")
+        data = os.read(fd, MAX_LATEST_BYTES + 1)
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    tag = data.decode("ascii", errors="replace").strip()
+    if len(data) > MAX_LATEST_BYTES or not TAG_PATTERN.fullmatch(tag):
+        size = f"{info.st_size} bytes" if info.st_size else f"{len(data)} bytes read"
+        raise CheckpointError(f"{path} is not a checkpoint tag ({size}; a tag is iter_ and 7 or more digits, such as "
+                              f"{checkpoint_tag(100)}, or DeepSpeed's global_step100; its content is not shown)")
     return tag
 
 
@@ -143,6 +192,39 @@ def describe_shape_difference(stored: ModelConfig, config: ModelConfig) -> str:
     return "; ".join(f"{k}: checkpoint {theirs[k]}, this run {ours[k]}" for k in ours if ours[k] != theirs[k])
 
 
+def type_name(value: object) -> str:
+    """'a str', 'an int', ... (what a field holds instead of what it should; never the value itself)."""
+    name = "null" if value is None else type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+_FIELD_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
+
+
+def model_config_from(fields: object, where: str, tp_size: int = 1) -> ModelConfig:
+    """The ModelConfig a checkpoint records (``fields``: its ``model_config``), each field of its declared type and
+    the whole valid at ``tp_size``; otherwise CheckpointError naming ``where`` and the field. Fields it lacks take
+    their defaults (files written before a field existed)."""
+    if not isinstance(fields, dict):
+        raise CheckpointError(f"{where}: 'model_config' is {type_name(fields)}, not a mapping of model fields")
+    declared = {f.name: f.type for f in dataclasses.fields(ModelConfig)}
+    for name, value in fields.items():
+        if name not in declared:
+            raise CheckpointError(f"{where}: 'model_config' has an unknown field {str(name)[:40]!r}")
+        kind, _, optional = declared[name].partition(" | ")
+        ok = (value is None and optional == "None") or (
+            isinstance(value, _FIELD_TYPES[kind]) and (kind == "bool" or not isinstance(value, bool)))
+        if not ok:
+            raise CheckpointError(f"{where}: model_config field {name!r} is {type_name(value)}, not {kind}"
+                                  f"{' or null' if optional else ''}")
+    try:
+        config = ModelConfig(**fields)
+        config.validate(tp_size)
+    except (TypeError, ValueError) as e:  # ValueError: ModelConfigError
+        raise CheckpointError(f"{where}: its model_config is not a valid model ({' '.join(str(e).split())})") from None
+    return config
+
+
 def _load(path: Path, mmap: bool = False) -> dict:
     """A model file, weights-only (refused if its pickle needs more), checked to hold our layout."""
     state = safe_torch_load(path, mmap=mmap)
@@ -150,19 +232,19 @@ def _load(path: Path, mmap: bool = False) -> dict:
     if not isinstance(meta, dict) or not isinstance(state.get("module"), dict):
         raise CheckpointError(f"{path} is not a codegeex_train model file: it lacks the 'module' state dict or "
                               f"the {META_KEY!r} metadata (convert other checkpoints with tools/convert_checkpoint.py)")
-    try:
-        if not all(isinstance(meta[k], int) and meta[k] >= (k != "iteration") for k in ("tp_size", "pp_size",
-                                                                                         "iteration")):
-            raise TypeError("tp_size, pp_size >= 1 and iteration >= 0 must be integers")
-        ModelConfig(**meta["model_config"]).validate(meta["tp_size"])  # as it was when saved
-    except (KeyError, TypeError, ValueError) as e:  # ValueError: ModelConfigError
-        raise CheckpointError(f"{path}: unreadable {META_KEY!r} metadata ({e})") from None
+    for k in ("tp_size", "pp_size", "iteration"):
+        value = meta.get(k)
+        if type(value) is not int or value < (k != "iteration"):
+            raise CheckpointError(f"{path}: unreadable {META_KEY!r} metadata ({k} is {type_name(value)}; "
+                                  f"tp_size, pp_size >= 1 and iteration >= 0 must be integers)")
+    model_config_from(meta.get("model_config"), f"{path}: {META_KEY!r} metadata", meta["tp_size"])  # as when saved
     return state
 
 
 def read_checkpoint_meta(directory: str | os.PathLike) -> tuple[str, dict]:
     """(tag, metadata) of the latest checkpoint, from its MP rank 0 file."""
     tag = read_latest(directory)
+    check_tag_dir(directory, tag)
     path = shard_file(directory, tag, 0, 1)
     if not path.is_file():
         raise CheckpointError(f"{directory}/latest names tag {tag!r} but {path} does not exist")
@@ -189,6 +271,7 @@ def load_model_shard(directory: str | os.PathLike, config: ModelConfig, tp_size:
     """This rank's (state_dict, metadata) from the latest checkpoint, after checking that its model shape
     and TP/PP sizes equal this run's; the error names both."""
     tag = read_latest(directory)
+    check_tag_dir(directory, tag)
     path = shard_file(directory, tag, tp_rank, tp_size, pp_rank)
     if not path.is_file():  # saved with fewer model-parallel ranks: explain with rank 0's metadata
         _check_fits(directory, tag, read_checkpoint_meta(directory)[1], config, tp_size, pp_size)

@@ -33,17 +33,20 @@ from typing import Callable
 
 import torch
 
+from codegeex_train.checkpoint.deepspeed_files import check_training_files
 from codegeex_train.checkpoint.files import (
     CheckpointError,
     describe_shape_difference,
     load_model_checkpoint,
     read_checkpoint_meta,
     read_latest,
+    type_name,
 )
 from codegeex_train.checkpoint.safe_load import verify_checkpoint_dir
 from codegeex_train.checkpoint.train_state import TrainState
 from codegeex_train.checkpoint.training import has_optimizer_states, load_checkpoint
 from codegeex_train.checkpoint.universal import (
+    check_universal_tensors,
     is_universal,
     load_universal_training_state,
     load_universal_weights,
@@ -88,6 +91,25 @@ def _check_same_model(load_dir: str, tag: str, meta: dict, config: ModelConfig) 
                           f"model flags")
 
 
+def _check_train_state(load_dir: str, tag: str, state: object) -> None:
+    """The training state a resume restores (``TrainState``, RNG streams as tensors), checked for its types."""
+    where = f"{load_dir}/{tag}/mp_rank_00_model_states.pt: train_state"
+    fields = {f.name for f in dataclasses.fields(TrainState)}
+    if not isinstance(state, dict) or not set(state) <= fields or not {"iteration", "consumed_train_samples",
+                                                                       "rng"} <= set(state):
+        raise CheckpointError(f"{where} is not a training state (the fields of TrainState)")
+    for key in ("iteration", "consumed_train_samples"):
+        if type(state[key]) is not int or state[key] < 0:
+            raise CheckpointError(f"{where}: {key} is {type_name(state[key])}, not an integer >= 0")
+    run_id = state.get("wandb_run_id")
+    if run_id is not None and not isinstance(run_id, str):
+        raise CheckpointError(f"{where}: wandb_run_id is {type_name(run_id)}, not a string")
+    rng = state["rng"]
+    if not (isinstance(rng, dict) and isinstance(rng.get("cpu"), torch.Tensor) and isinstance(rng.get("tracker"), dict)
+            and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in rng["tracker"].items())):
+        raise CheckpointError(f"{where}: rng is not the random-number states (tensors under 'cpu' and 'tracker')")
+
+
 def _saved_dp_size(load_dir: str, tag: str) -> int:
     """ZeRO partitions the optimizer state by DP rank: one file per DP rank of model-parallel rank 0."""
     return sum(name.startswith(("zero_pp_rank_", "bf16_zero_pp_rank_")) and "_mp_rank_00_" in name
@@ -105,6 +127,7 @@ def preflight_resume(load_dir: str, config: ModelConfig, dims: ParallelDims, *, 
         verify_checkpoint_dir(load_dir, tag)  # weights-only, before DeepSpeed unpickles any of its files
         if is_universal(load_dir, tag):
             meta = read_universal_meta(load_dir, tag)
+            check_universal_tensors(load_dir, tag)
             _check_same_model(load_dir, tag, meta, config)
             return Resume(load_dir, tag, ResumeKind.UNIVERSAL, meta, **flags)
         tag, meta = read_checkpoint_meta(load_dir)
@@ -112,6 +135,12 @@ def preflight_resume(load_dir: str, config: ModelConfig, dims: ParallelDims, *, 
         raise ConfigError(f"--load {load_dir}: {e}") from None
     _check_same_model(load_dir, tag, meta, config)
     kind = ResumeKind.TRAINING if has_optimizer_states(load_dir, tag) else ResumeKind.WEIGHTS
+    if kind is ResumeKind.TRAINING and not finetune:  # what DeepSpeed will index, checked before it does
+        try:
+            _check_train_state(load_dir, tag, meta.get("train_state"))
+            check_training_files(load_dir, tag, meta["tp_size"] * meta["pp_size"], optimizer=load_optim)
+        except CheckpointError as e:
+            raise ConfigError(f"--load {load_dir}: {e}") from None
     saved = {"TP": meta["tp_size"], "PP": meta["pp_size"]}
     if kind is ResumeKind.TRAINING and load_optim and not finetune:
         saved["DP"] = _saved_dp_size(load_dir, tag)

@@ -9,9 +9,20 @@ refused or unreadable file raises :class:`CheckpointError` (:class:`UnsafeCheckp
 with a one-line message naming the file.
 
 :func:`verify_checkpoint_dir` applies that check to every ``.pt`` file under a checkpoint tag before
-DeepSpeed's ``engine.load_checkpoint``, which then unpickles its own files (the model states and the ZeRO
-optimizer partitions) again with ``weights_only=False``: the check is what stands between a tampered file
-and that load (the files must not change in between).
+DeepSpeed's ``engine.load_checkpoint`` (one ``error:`` line before any process group). DeepSpeed then reads its
+own files (the model states and the ZeRO optimizer partitions) again, through the checkpoint engine
+``checkpoint/training.py`` installs, whose ``load`` is :func:`safe_torch_load` too: a file changed after the check
+is refused there, never unpickled with ``weights_only=False``.
+
+Files are opened once, without blocking, and must be regular files (a FIFO or device named ``*.pt`` is refused,
+never read); the check reads the descriptor it opened (``/proc/self/fd/N``), so a path swapped after the open
+changes nothing. :func:`checkpoint_files` lists a tag directory without following symbolic links, and refuses a
+``*.pt`` entry that is a link or not a regular file.
+
+torch itself must be one without known bypasses of ``weights_only=True`` (``MIN_TORCH``): CVE-2025-32434
+(GHSA-53q9-r3pm-6pq6, torch <= 2.5.1, fixed in 2.6.0) and CVE-2026-24747 (GHSA-63cw-57p8-fm3p: memory corruption
+by crafted pickle opcodes and storage sizes, torch <= 2.9.1, fixed in 2.10.0). On an older torch every read is
+refused with one line saying so (``setup.py`` requires the same floor).
 
 ``ALLOWED``: exactly the non-default globals that files we and DeepSpeed (ZeRO 1/2, fp32 / bf16 / fp16) write
 hold, found by saving real checkpoints and listing their pickles' globals:
@@ -36,10 +47,12 @@ classes are imported only when a file names them, so reading our model files doe
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib
 import os
 import pickle
 import re
+import stat
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -56,6 +69,8 @@ ALLOWED = (
 # The files DeepSpeed's checkpoint loaders unpickle (model states, ZeRO partitions, universal fragments) all
 # end in ".pt"; we check every such file under the tag.
 CHECKED_SUFFIX = ".pt"
+# The oldest torch without known weights_only bypasses (see the module docstring); setup.py requires it too.
+MIN_TORCH = (2, 10)
 # What torch.load of a file from outside raises when the file is refused, corrupt, truncated or unreadable.
 _LOAD_ERRORS = (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, TypeError)
 
@@ -74,19 +89,67 @@ def _resolve(name: str) -> type:
     return getattr(importlib.import_module(module), attr)
 
 
-def _is_zip(path: Path) -> bool:
-    with open(path, "rb") as f:
-        return f.read(4) == b"PK\x03\x04"
+def check_torch_version() -> None:
+    """Raise :class:`UnsafeCheckpointError` when this torch has known bypasses of ``weights_only=True``."""
+    version = torch.torch_version.TorchVersion(torch.__version__)
+    if version < MIN_TORCH:
+        raise UnsafeCheckpointError(
+            f"torch {torch.__version__} has known bypasses of weights-only loading (CVE-2025-32434, fixed in 2.6.0; "
+            f"CVE-2026-24747, fixed in 2.10.0), so no checkpoint file is read with it: install torch >= "
+            f"{'.'.join(map(str, MIN_TORCH))}")
 
 
-def _globals_outside_defaults(path: Path) -> list[str] | None:
+def file_kind(mode: int) -> str:
+    """'a directory', 'a FIFO', ... for a non-regular file's ``st_mode``."""
+    for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def open_regular(path: str | os.PathLike, *, follow_symlinks: bool = True) -> int:
+    """A read-only descriptor of ``path``, which must be a regular file: opened without blocking (a FIFO's open
+    would wait for a writer), then checked with ``fstat``, so what is checked is what was opened. Raises
+    :class:`CheckpointError` naming the file otherwise."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    if not follow_symlinks:
+        flags |= os.O_NOFOLLOW
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if not follow_symlinks and os.path.islink(path):
+            raise CheckpointError(f"{path} is a symbolic link, not a file of its own") from None
+        raise CheckpointError(f"cannot read checkpoint file {path}: {_one_line(e.strerror or str(e))}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise CheckpointError(f"cannot read checkpoint file {path}: {os.strerror(errno.EISDIR)}")
+        if not stat.S_ISREG(mode):
+            raise CheckpointError(f"cannot read checkpoint file {path}: it is {file_kind(mode)}, not a regular file "
+                                  f"(nothing read from it)")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _fd_path(fd: int, path: Path) -> str:
+    """A name that opens the file of descriptor ``fd`` (Linux: /proc/self/fd/N), else ``path``."""
+    name = f"/proc/self/fd/{fd}"
+    return name if os.path.exists(name) else str(path)
+
+
+def _globals_outside_defaults(path: str) -> list[str] | None:
     """The pickle's globals that torch's weights-only defaults lack, by a static scan (nothing is run);
     None when the scan cannot tell (older torch, legacy format, unparsable pickle)."""
     scan = getattr(torch.serialization, "get_unsafe_globals_in_checkpoint", None)
     if scan is None:
         return None
     try:
-        return sorted(scan(str(path)))
+        return sorted(scan(path))
     except _LOAD_ERRORS + (AssertionError, KeyError, IndexError):
         return None
 
@@ -112,19 +175,30 @@ def _allowing(classes: list[type]):
     return contextlib.nullcontext()
 
 
-def safe_torch_load(path: str | os.PathLike, *, mmap: bool = False) -> object:
-    """``torch.load(path, map_location="cpu", weights_only=True)`` with ``ALLOWED`` allow-listed.
+def safe_torch_load(path: str | os.PathLike, *, mmap: bool = False, map_location=None) -> object:
+    """``torch.load(path, map_location=map_location or "cpu", weights_only=True)`` with ``ALLOWED`` allow-listed.
 
     ``mmap=True`` maps the tensors' bytes instead of reading them (zip-format files; others are read): the
     cheap way to check a file or read its metadata. Raises :class:`UnsafeCheckpointError` when the pickle
-    needs anything else (nothing in it is run), :class:`CheckpointError` when the file cannot be read.
+    needs anything else (nothing in it is run) or this torch is too old (``MIN_TORCH``), :class:`CheckpointError`
+    when the file cannot be read or is not a regular file.
     """
     path = Path(path)
+    check_torch_version()
+    fd = open_regular(path)
     try:
-        is_zip = _is_zip(path)
+        return _load_open_file(path, fd, mmap, "cpu" if map_location is None else map_location)
+    finally:
+        os.close(fd)
+
+
+def _load_open_file(path: Path, fd: int, mmap: bool, map_location) -> object:
+    try:
+        is_zip = os.pread(fd, 4, 0) == b"PK\x03\x04"
     except OSError as e:
         raise CheckpointError(f"cannot read checkpoint file {path}: {_one_line(e.strerror or str(e))}") from None
-    extra = _globals_outside_defaults(path) if is_zip else None
+    name = _fd_path(fd, path)  # the file opened and checked above, whatever its path names by now
+    extra = _globals_outside_defaults(name) if is_zip else None
     names = list(ALLOWED) if extra is None else [n for n in ALLOWED if n in extra]
     try:
         allowed = [_resolve(n) for n in names]
@@ -133,7 +207,10 @@ def safe_torch_load(path: str | os.PathLike, *, mmap: bool = False) -> object:
                                     f"{names}: {_one_line(str(e))}") from None
     try:
         with _allowing(allowed):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and is_zip)
+            if name == str(path):  # no /proc: read from the descriptor (a file object; no mapping)
+                with os.fdopen(os.dup(fd), "rb") as f:
+                    return torch.load(f, map_location=map_location, weights_only=True)
+            return torch.load(name, map_location=map_location, weights_only=True, mmap=mmap and is_zip)
     except pickle.UnpicklingError as e:
         outside = [n for n in extra or () if n not in ALLOWED]
         what = f"needs {', '.join(outside)}" if outside else f"failed weights-only unpickling: {_refusal(e)}"
@@ -142,7 +219,7 @@ def safe_torch_load(path: str | os.PathLike, *, mmap: bool = False) -> object:
             f"codegeex_train/checkpoint/safe_load.py ALLOWED may be loaded, so nothing in it was run (altered, or not "
             f"written by codegeex_train / DeepSpeed?)") from None
     except _LOAD_ERRORS as e:
-        reason = _one_line(str(e).split(". This is an internal")[0]) or type(e).__name__
+        reason = _one_line(str(e).split(". This is an internal")[0].replace(name, str(path))) or type(e).__name__
         raise CheckpointError(f"cannot read checkpoint file {path}: {reason}") from None
 
 
@@ -153,25 +230,46 @@ def verify_files(paths: Iterable[str | os.PathLike]) -> None:
 
 
 def checkpoint_files(tag_dir: str | os.PathLike) -> list[Path]:
-    """Every ``*.pt`` file under ``tag_dir``, recursively (linked directories followed once), sorted."""
-    found, seen = [], set()
-    for root, dirs, files in os.walk(tag_dir, followlinks=True):
-        real = os.path.realpath(root)
-        if real in seen:
-            dirs[:] = []
-            continue
-        seen.add(real)
-        dirs.sort()
-        found.extend(Path(root, f) for f in sorted(files) if f.endswith(CHECKED_SUFFIX))
-    return found
+    """Every ``*.pt`` file under ``tag_dir``, recursively, sorted. Nothing is followed: a symbolic link (to a file
+    or a directory) or a FIFO, socket or device named ``*.pt`` raises :class:`CheckpointError`; other links are
+    skipped (DeepSpeed writes none). Only names and ``lstat`` are read, so nothing here blocks."""
+    found = []
+    pending = [Path(tag_dir)]
+    while pending:
+        directory = pending.pop()
+        try:
+            entries = sorted(os.scandir(directory), key=lambda e: e.name)
+        except OSError as e:
+            raise CheckpointError(f"cannot list {directory}: {_one_line(e.strerror or str(e))}") from None
+        for entry in entries:
+            path = Path(entry.path)
+            if entry.is_dir(follow_symlinks=False):
+                pending.append(path)
+            elif entry.name.endswith(CHECKED_SUFFIX):
+                mode = entry.stat(follow_symlinks=False).st_mode
+                if not stat.S_ISREG(mode):
+                    raise CheckpointError(f"{path} is {file_kind(mode)}, not a regular file: a checkpoint file is "
+                                          f"read only from a regular file inside the tag directory")
+                found.append(path)
+    return sorted(found)
+
+
+def check_tag_dir(directory: str | os.PathLike, tag: str) -> Path:
+    """``directory/tag``, which must be a directory of its own (not a symbolic link), without reading it."""
+    tag_dir = Path(directory) / tag
+    try:
+        mode = os.lstat(tag_dir).st_mode
+    except OSError:
+        raise CheckpointError(f"{directory}/latest names tag {tag!r} but {tag_dir} does not exist") from None
+    if not stat.S_ISDIR(mode):
+        raise CheckpointError(f"{directory}/latest names tag {tag!r} but {tag_dir} is {file_kind(mode)}, not a "
+                              f"directory (a tag directory is never followed through a link)")
+    return tag_dir
 
 
 def verify_checkpoint_dir(directory: str | os.PathLike, tag: str) -> list[Path]:
     """Check every ``.pt`` file of checkpoint ``directory/tag`` with weights-only unpickling before anything
     else (DeepSpeed's loaders) unpickles it; returns the files checked."""
-    tag_dir = Path(directory) / tag
-    if not tag_dir.is_dir():
-        raise CheckpointError(f"{directory}/latest names tag {tag!r} but {tag_dir} is not a directory")
-    files = checkpoint_files(tag_dir)
+    files = checkpoint_files(check_tag_dir(directory, tag))
     verify_files(files)
     return files

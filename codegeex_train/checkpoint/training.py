@@ -2,38 +2,230 @@
 
 DeepSpeed writes the model file of each model-parallel rank (with our metadata and training state as
 client state) and the ZeRO optimizer partitions of every rank. ``latest`` is written by us, last and
-atomically, after a barrier: a process killed mid-save leaves ``latest`` at the previous complete tag.
+atomically, after every rank has reported its files written: a process killed mid-save leaves ``latest`` at the
+previous complete tag.
+
+DeepSpeed reads and writes every file through its engine's ``checkpoint_engine``; ``install_checkpoint_engine``
+replaces it (``training/engine.py`` does, after ``deepspeed.initialize``) by :class:`SafeCheckpointEngine`:
+
+* ``load``: :func:`~codegeex_train.checkpoint.safe_load.safe_torch_load`, weights-only with our allow-list,
+  instead of DeepSpeed's ``torch.load(weights_only=False)``. The preflight check of ``--load`` is then no
+  longer what stands between a file and a full unpickle: a file changed after it is refused just the same.
+* ``save`` / ``makedirs``: a failure (disk full, quota, permissions) is recorded, the half-written file removed,
+  and nothing more is written on that rank, instead of raising out of the middle of DeepSpeed's save (the other
+  ranks would wait in its barriers). ``save_checkpoint`` then gathers every rank's outcome: when any failed, rank 0
+  removes the partial tag directory, leaves ``latest`` as it was and prints one ``error:`` line naming the
+  directory, the cause and the last complete checkpoint; every rank raises :class:`CheckpointSaveError`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
+import shutil
+import sys
 
+import torch
 import torch.distributed as dist
 
-from codegeex_train.checkpoint.files import META_KEY, checkpoint_tag, write_latest
-from codegeex_train.checkpoint.safe_load import CheckpointError
+from codegeex_train.checkpoint.files import META_KEY, checkpoint_tag, read_latest, write_latest
+from codegeex_train.checkpoint.safe_load import CheckpointError, safe_torch_load
 from codegeex_train.checkpoint.train_state import TrainState, rng_state, set_rng_state
 from codegeex_train.config.model import ModelConfig
 from codegeex_train.distributed.topology import Topology
 from codegeex_train.tensor_parallel import RNGStatesTracker
 
 
+class CheckpointStop(SystemExit):
+    """A checkpoint failure found while the ranks run, raised on every rank alike after rank 0 printed the one
+    ``error:`` line. A ``SystemExit`` (code 1): uncaught, the process ends without a traceback, since the line
+    already said everything; ``str()`` of it is that line's message."""
+
+    def __init__(self, message: str):
+        super().__init__(1)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class CheckpointSaveError(CheckpointStop):
+    """A save that failed on some rank (disk full, quota, permissions): the partial tag directory is removed and
+    ``latest`` is unchanged."""
+
+
+class CheckpointLoadError(CheckpointStop):
+    """A checkpoint file refused while DeepSpeed loaded it (changed after the preflight check): nothing in it ran."""
+
+
+def _cause(error: BaseException, path: str | None = None) -> str:
+    """The operating system's words for a failed write ('No space left on device'), from ``error`` or what it
+    was raised from; else, when the filesystem of ``path`` has no space left, that; else the error's first line."""
+    seen = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.strerror:
+            return seen.strerror
+        seen = seen.__cause__ or seen.__context__
+    text = " ".join(str(error).split())[:300] or type(error).__name__
+    try:  # torch's C++ writer (legacy format) says only 'iostream error'
+        full = path is not None and os.statvfs(os.path.dirname(path) or ".").f_bavail == 0
+    except OSError:
+        full = False
+    return f"{os.strerror(errno.ENOSPC)} ({text})" if full else text
+
+
+class SafeCheckpointEngine:
+    """DeepSpeed's checkpoint engine (``engine.checkpoint_engine``) with its ``load`` made weights-only and its
+    writes made to fail quietly and be reported (see the module docstring). Everything else is the wrapped
+    engine's."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.failure: tuple[str, str] | None = None  # (what could not be written, the cause), on this rank
+
+    def __getattr__(self, name):  # create, commit, is_data_parallel_writer, ...: the wrapped engine's
+        return getattr(self.inner, name)
+
+    def load(self, path: str, map_location=None):
+        return safe_torch_load(path, map_location=map_location)
+
+    def _fail(self, path: str, error: BaseException) -> None:
+        if self.failure is None:
+            self.failure = (str(path), _cause(error, str(path)))
+
+    def makedirs(self, path, exist_ok=False):
+        if self.failure is not None:
+            return
+        try:
+            os.makedirs(path, exist_ok=exist_ok)
+        except OSError as e:
+            self._fail(path, e)
+
+    def _open(self, path: str):
+        """The file a save writes (a seam for tests that simulate a full disk)."""
+        return open(path, "wb")
+
+    def save(self, state_dict, path: str):
+        if self.failure is not None:  # this rank already failed: write nothing more
+            return
+        try:
+            if type(self.inner).__name__ == "TorchCheckpointEngine":  # its save, through a file we hold
+                with self._open(path) as f:  # write errors arrive as OSError with the system's reason
+                    torch.save(state_dict, f, _use_new_zipfile_serialization=self.inner.zipfile_serialization)
+            else:
+                self.inner.save(state_dict, path)
+        except (OSError, RuntimeError) as e:
+            self._fail(path, e)
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+    def copy_recovery_scripts(self, original, save_path) -> None:
+        """DeepSpeed's ``_copy_recovery_script`` (rank 0 copies zero_to_fp32.py next to the files), failures
+        recorded like a save's."""
+        if self.failure is not None:
+            return
+        try:
+            original(save_path)
+        except OSError as e:
+            self._fail(os.path.join(save_path, "zero_to_fp32.py"), e)
+
+    def take_failure(self) -> tuple[str, str] | None:
+        failure, self.failure = self.failure, None
+        return failure
+
+
+def install_checkpoint_engine(engine) -> SafeCheckpointEngine:
+    """Make ``engine`` (a DeepSpeedEngine) read and write its checkpoint files through a :class:`SafeCheckpointEngine`
+    (idempotent); returns it."""
+    current = engine.checkpoint_engine
+    if isinstance(current, SafeCheckpointEngine):
+        return current
+    safe = SafeCheckpointEngine(current)
+    engine.checkpoint_engine = safe
+    original = getattr(engine, "_copy_recovery_script", None)
+    if original is not None:  # a plain copyfile on rank 0 in the middle of DeepSpeed's save: recorded, not raised
+        engine._copy_recovery_script = lambda save_path: safe.copy_recovery_scripts(original, save_path)
+    return safe
+
+
+def _agree(failure):
+    """Every rank's view of the ranks' outcomes: ``None`` when no rank failed, else (first failing rank, its
+    ``failure``, how many ranks failed). Collective: one all-reduce, and a broadcast only after a failure."""
+    device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl"
+              else torch.device("cpu"))
+    failed = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=device)
+    failed[dist.get_rank()] = failure is not None
+    dist.all_reduce(failed)
+    ranks = failed.nonzero().flatten().tolist()
+    if not ranks:
+        return None
+    shared = [failure]
+    dist.broadcast_object_list(shared, src=ranks[0])
+    return ranks[0], shared[0], len(ranks)
+
+
+def _last_complete(save_dir: str) -> str:
+    try:
+        return (f"the last complete checkpoint is {read_latest(save_dir)} in {save_dir} (relaunch with --load "
+                f"{save_dir} to resume from it)")
+    except CheckpointError:
+        return f"{save_dir} holds no complete checkpoint ('latest' names none)"
+
+
+def _fail_save(save_dir: str, tag: str, rank: int, failure: tuple[str, str], failed_ranks: int) -> None:
+    """Every rank: rank 0 removes the partial ``save_dir/tag`` and prints the one line; all raise."""
+    path, cause = failure
+    tag_dir = os.path.join(save_dir, tag)
+    try:
+        latest = read_latest(save_dir)
+    except CheckpointError:
+        latest = None
+    if latest == tag:  # re-saving the tag `latest` names: never remove the checkpoint it points at
+        removed = f"{tag_dir} is the tag 'latest' names and was partly overwritten: check it before resuming"
+    else:
+        removed = f"removed the partial {tag_dir}"
+        if dist.get_rank() == 0:
+            shutil.rmtree(tag_dir, ignore_errors=True)
+    others = failed_ranks - 1
+    more = f" (and {others} more rank{'s' if others > 1 else ''})" if others else ""
+    message = (f"could not save checkpoint {tag} to {save_dir}: rank {rank}{more} could not write {path}: {cause}; "
+               f"{removed}; 'latest' is unchanged: {_last_complete(save_dir)}")
+    if dist.get_rank() == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    dist.barrier()  # the directory is gone before any rank raises
+    raise CheckpointSaveError(message)
+
+
 def save_checkpoint(engine, save_dir: str, state: TrainState, config: ModelConfig, topology: Topology,
                     tracker: RNGStatesTracker, *, tokenizer: dict | None = None) -> str:
-    """``tokenizer``: the run's tokenizer settings (``files.tokenizer_settings``), recorded for the tools."""
+    """``tokenizer``: the run's tokenizer settings (``files.tokenizer_settings``), recorded for the tools.
+
+    A failed write on any rank ends the save on every rank with :class:`CheckpointSaveError` (one ``error:``
+    line from rank 0, the partial tag directory removed, ``latest`` unchanged)."""
     tag = checkpoint_tag(state.iteration)
     state = dataclasses.replace(state, rng=rng_state(tracker))
     meta = {"model_config": dataclasses.asdict(config), "tp_size": topology.tp_size, "pp_size": topology.pp_size,
             "iteration": state.iteration, "train_state": dataclasses.asdict(state)}
     if tokenizer is not None:
         meta["tokenizer"] = tokenizer
+    safe = install_checkpoint_engine(engine)
+    safe.take_failure()
     engine.save_checkpoint(save_dir, tag=tag, client_state={META_KEY: meta}, save_latest=False)
-    dist.barrier()  # every rank's files are on disk before the tag becomes the one to load
+    outcome = _agree(safe.take_failure())  # every rank's files are written, or why not
+    if outcome is not None:
+        _fail_save(save_dir, tag, *outcome)
+    failure = None
     if dist.get_rank() == 0:
-        write_latest(save_dir, tag)
-    dist.barrier()
+        try:
+            write_latest(save_dir, tag)
+        except OSError as e:
+            failure = (os.path.join(save_dir, "latest"), _cause(e))
+    outcome = _agree(failure)  # also the barrier: `latest` names the tag before any rank goes on
+    if outcome is not None:
+        _fail_save(save_dir, tag, *outcome)
     return tag
 
 
@@ -47,14 +239,29 @@ def load_checkpoint(engine, load_dir: str, tag: str, tracker: RNGStatesTracker, 
                     load_rng: bool = True) -> TrainState:
     """Resume model, optimizer, LR schedule, consumed samples and RNG states from a training checkpoint.
 
+    Every file DeepSpeed reads goes through :class:`SafeCheckpointEngine` (weights-only). A file refused there
+    (changed since the preflight check) stops every rank with one ``error:`` line from rank 0
+    (:class:`CheckpointLoadError`); nothing in it is run.
+
     ``load_optimizer_states=False`` (--no-load-optim): the optimizer starts afresh (no Adam moments, its step count
     from 0) while the weights, LR schedule and counters are restored. DeepSpeed (0.19.8, ``engine.load_checkpoint``)
     then skips the ZeRO partition files altogether and rebuilds ZeRO-1/2's fp32 master partitions from the loaded
     model weights (``_restore_from_bit16_weights``: each DP rank copies its slice of the flat weight buffer), so the
     first step updates the loaded weights, not the initial ones; and the ZeRO files' DP size need not be this run's.
     ``load_rng=False`` (--no-load-rng): the random-number streams stay as this run seeded them."""
-    _, client = engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
-                                       load_lr_scheduler_states=True)
+    install_checkpoint_engine(engine)
+    error = None
+    try:  # DeepSpeed's ZeRO-1/2 load runs no collective after its reads: every rank reaches _agree below
+        _, client = engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
+                                           load_lr_scheduler_states=True)
+    except CheckpointError as e:
+        error, client = " ".join(str(e).split()), None
+    outcome = _agree(error)
+    if outcome is not None:
+        message = f"--load {load_dir} ({tag}): {outcome[1]}"
+        if dist.get_rank() == 0:
+            print(f"error: {message}", file=sys.stderr, flush=True)
+        raise CheckpointLoadError(message)
     if client is None or "train_state" not in client.get(META_KEY, {}):
         raise CheckpointError(f"--load {load_dir} ({tag}): DeepSpeed found no training state to resume")
     state = TrainState(**client[META_KEY]["train_state"])

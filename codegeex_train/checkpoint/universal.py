@@ -30,14 +30,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
+import stat
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 
-from codegeex_train.checkpoint.files import CheckpointError, read_checkpoint_meta, read_latest, write_latest
-from codegeex_train.checkpoint.safe_load import safe_torch_load
+from codegeex_train.checkpoint.deepspeed_files import ZERO_FILE, check_model_states, check_zero_partition
+from codegeex_train.checkpoint.files import (
+    CheckpointError,
+    model_config_from,
+    read_checkpoint_meta,
+    read_latest,
+    type_name,
+    write_latest,
+)
+from codegeex_train.checkpoint.safe_load import check_tag_dir, checkpoint_files, file_kind, open_regular, safe_torch_load
 from codegeex_train.checkpoint.sharding import merge_state_dicts, split_model_parallel
 from codegeex_train.checkpoint.train_state import TrainState
 from codegeex_train.config.model import ModelConfig
@@ -45,10 +53,12 @@ from codegeex_train.config.model import ModelConfig
 UNIVERSAL_META = "universal.json"
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
 FORMAT = "codegeex_train-universal/1"
+MAX_META_BYTES = 1 << 20  # universal.json is a few kB; a larger one is not ours and is not read
 
 
 def is_universal(load_dir: str | os.PathLike, tag: str) -> bool:
-    return (Path(load_dir) / tag / UNIVERSAL_META).is_file()
+    """Whether ``load_dir/tag`` holds a ``universal.json`` entry (of any kind: ``read_universal_meta`` checks it)."""
+    return os.path.lexists(Path(load_dir) / tag / UNIVERSAL_META)
 
 
 def _load(path: Path) -> dict:
@@ -56,32 +66,38 @@ def _load(path: Path) -> dict:
 
 
 def _optim_files(tag_dir: Path, mp_rank: int) -> list[Path]:
-    pattern = re.compile(rf"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_{mp_rank:02d}_optim_states\.pt$")
-    found = sorted(((int(m.group(1)), p) for p in tag_dir.iterdir() if (m := pattern.match(p.name))))
+    found = sorted((int(m.group(1)), p) for p in tag_dir.iterdir()
+                   if (m := ZERO_FILE.match(p.name)) and int(m.group(2)) == mp_rank)
     if not found or [d for d, _ in found] != list(range(len(found))):
         raise CheckpointError(f"{tag_dir}: ZeRO optimizer files of model-parallel rank {mp_rank} are missing or "
                               f"incomplete (DP ranks found: {[d for d, _ in found]})")
     return [p for _, p in found]
 
 
+def _model_file(tag_dir: Path, mp_rank: int) -> tuple[Path, dict]:
+    path = tag_dir / f"mp_rank_{mp_rank:02d}_model_states.pt"
+    state = _load(path)
+    check_model_states(path, state)
+    return path, state
+
+
 def _mp_rank_states(tag_dir: Path, mp_rank: int) -> tuple[dict[str, dict[str, torch.Tensor]], int]:
     """{state: {name: tensor}} of one model-parallel rank, its DP slices joined; and Adam's step count."""
-    shapes = [dict(group) for group in _load(tag_dir / f"mp_rank_{mp_rank:02d}_model_states.pt")["param_shapes"]]
+    path, model_file = _model_file(tag_dir, mp_rank)
+    shapes = check_model_states(path, model_file)
     fragments: dict[str, dict[str, list[torch.Tensor]]] = {s: defaultdict(list) for s in STATES}
     steps = set()
     for path in _optim_files(tag_dir, mp_rank):  # DP order: each rank holds the next slice of every group
-        osd = _load(path)["optimizer_state_dict"]
+        osd = check_zero_partition(path, _load(path), adam=True)
         for g, mapping in enumerate(osd["param_slice_mappings"]):
             flat = {"fp32": osd["single_partition_of_fp32_groups"][g]}
-            adam = osd["base_optimizer_state"]["state"].get(g, {})
+            adam = osd["base_optimizer_state"]["state"][g]
             if "step" in adam:
                 steps.add(int(adam["step"]))
             for state in STATES[1:]:
-                flat[state] = adam.get(state)
+                flat[state] = adam[state]
             for name, address in mapping.items():
                 for state, tensor in flat.items():
-                    if tensor is None:
-                        raise CheckpointError(f"{path}: no Adam {state} (not an Adam-trained checkpoint?)")
                     fragments[state][name].append(tensor.narrow(0, address.start, address.numel))
     if len(steps) != 1:
         raise CheckpointError(f"{tag_dir}: Adam step counts {sorted(steps)} differ between parameter groups")
@@ -105,8 +121,9 @@ def to_universal(load_dir: str | os.PathLike, save_dir: str | os.PathLike) -> st
     if is_universal(load_dir, read_latest(load_dir)):
         raise CheckpointError(f"{load_dir} is already a universal checkpoint: --load it at any layout as it is")
     tag, meta = read_checkpoint_meta(load_dir)
-    tag_dir = Path(load_dir) / tag
-    if "train_state" not in meta:
+    tag_dir = check_tag_dir(load_dir, tag)
+    checkpoint_files(tag_dir)  # no link, FIFO or device among the *.pt entries: each is a regular file
+    if not isinstance(meta.get("train_state"), dict):
         raise CheckpointError(f"{tag_dir} holds model weights only (no optimizer state to convert): load it "
                               f"with --load as it is")
     config = ModelConfig(**meta["model_config"])
@@ -130,7 +147,7 @@ def to_universal(load_dir: str | os.PathLike, save_dir: str | os.PathLike) -> st
                 full[state][name] = tensor
     if len(steps) != 1:
         raise CheckpointError(f"{tag_dir}: Adam step counts {sorted(steps)} differ between ranks")
-    model_file = _load(tag_dir / "mp_rank_00_model_states.pt")
+    model_file = _model_file(tag_dir, 0)[1]
     dp = len(_optim_files(tag_dir, 0))
     train_state = {k: v for k, v in meta["train_state"].items() if k != "rng"}  # RNG streams are per layout
     universal = {
@@ -150,11 +167,112 @@ def to_universal(load_dir: str | os.PathLike, save_dir: str | os.PathLike) -> st
     return tag
 
 
+def _integer(minimum: int):
+    return (lambda v: type(v) is int and v >= minimum), f"an integer >= {minimum}"
+
+
+def _optional(check):
+    ok, what = check
+    return (lambda v: v is None or ok(v)), f"{what} or null"
+
+
+_NUMBER = (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)), "a number"
+_STRING = (lambda v: isinstance(v, str)), "a string"
+_MAPPING = (lambda v: isinstance(v, dict)), "an object"
+# Each key of universal.json (as to_universal writes it) and what it must hold; nested objects by their own table.
+_LR_SCHEDULER = {"num_steps": _integer(0), "max_lr": _NUMBER, "min_lr": _NUMBER, "decay_iters": _integer(0),
+                 "warmup_iters": _integer(0), "style": _STRING}
+_TRAIN_STATE = {"iteration": _integer(0), "consumed_train_samples": _integer(0), "wandb_run_id": _optional(_STRING)}
+_SOURCE_LAYOUT = {"tp": _integer(1), "pp": _integer(1), "dp": _integer(1)}
+_TOKENIZER = {"tokenizer_type": _optional(_STRING), "tokenizer_model": _optional(_STRING),
+              "vocab_file": _optional(_STRING), "merge_file": _optional(_STRING),
+              "whitespace_encoding": ((lambda v: isinstance(v, bool)), "true or false")}
+_UNIVERSAL = {"format": _STRING, "model_config": _MAPPING, "iteration": _integer(0), "train_state": _TRAIN_STATE,
+              "adam_step": _integer(0), "lr_scheduler": _LR_SCHEDULER, "global_steps": _integer(0),
+              "global_samples": _integer(0), "skipped_steps": _integer(0), "source_layout": _SOURCE_LAYOUT}
+_OPTIONAL = {"tokenizer": _TOKENIZER}
+
+
+def _check_object(path: Path, where: str, value: object, table: dict, optional: dict | None = None) -> None:
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: {where or 'the file'} is {type_name(value)}, not a JSON object")
+    optional = optional or {}
+    missing = [k for k in table if k not in value]
+    extra = [str(k)[:40] for k in value if k not in table and k not in optional]
+    if missing or extra:
+        what = "; ".join(part for part in (missing and f"lacks {', '.join(map(repr, missing))}",
+                                           extra and f"has unknown keys {', '.join(map(repr, extra))}") if part)
+        raise CheckpointError(f"{path}: {where or 'the file'} {what}")
+    for key, rule in {**table, **optional}.items():
+        if key not in value:
+            continue
+        name = f"{where}.{key}" if where else key
+        if isinstance(rule, dict):
+            _check_object(path, name, value[key], rule)
+            continue
+        ok, what = rule
+        if not ok(value[key]):
+            raise CheckpointError(f"{path}: {name!r} is {type_name(value[key])}, not {what}")
+
+
 def read_universal_meta(load_dir: str | os.PathLike, tag: str) -> dict:
-    meta = json.loads((Path(load_dir) / tag / UNIVERSAL_META).read_text())
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{Path(load_dir) / tag}: unknown universal checkpoint format {meta.get('format')!r}")
+    """``universal.json`` of ``load_dir/tag``, checked: a regular file (not a link) of at most ``MAX_META_BYTES``,
+    valid JSON, exactly the keys ``to_universal`` writes, each of its type, a valid model. Anything else raises
+    CheckpointError naming the file and the key (never its value)."""
+    path = Path(load_dir) / tag / UNIVERSAL_META
+    fd = open_regular(path, follow_symlinks=False)
+    try:
+        data = os.read(fd, MAX_META_BYTES + 1)
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_META_BYTES:
+        raise CheckpointError(f"{path} is larger than {MAX_META_BYTES} bytes: not a universal checkpoint's metadata")
+    try:
+        meta = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path} is not UTF-8 text: not a universal checkpoint's metadata") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    if isinstance(meta, dict) and "format" in meta and meta["format"] != FORMAT:
+        shown = repr(meta["format"][:40]) if isinstance(meta["format"], str) else type_name(meta["format"])
+        raise CheckpointError(f"{Path(load_dir) / tag}: unknown universal checkpoint format {shown} (this version "
+                              f"reads {FORMAT!r})")
+    _check_object(path, "", meta, _UNIVERSAL, _OPTIONAL)
+    model_config_from(meta["model_config"], str(path))
+    for state in STATES:  # the tensors' files: regular files of their own (safetensors maps them)
+        tensors = path.parent / f"{state}.safetensors"
+        try:
+            mode = os.lstat(tensors).st_mode
+        except OSError:
+            raise CheckpointError(f"{path.parent}: {tensors.name} is missing (a universal checkpoint holds "
+                                  f"{', '.join(s + '.safetensors' for s in STATES)})") from None
+        if not stat.S_ISREG(mode):
+            raise CheckpointError(f"{tensors} is {file_kind(mode)}, not a regular file: not read")
     return meta
+
+
+def check_universal_tensors(load_dir: str | os.PathLike, tag: str) -> None:
+    """Before any rank loads them: the three safetensors files parse (their headers only) and hold the same names
+    with the same shapes. CheckpointError naming the file otherwise."""
+    from safetensors import safe_open
+
+    tag_dir = Path(load_dir) / tag
+    layouts = {}
+    for state in STATES:
+        path = tag_dir / f"{state}.safetensors"
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                layouts[state] = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+        except Exception as e:  # noqa: BLE001 - safetensors' SafetensorError, OSError: a crafted or damaged file
+            raise CheckpointError(f"{path} is not a readable safetensors file ({' '.join(str(e).split())[:200]})") \
+                from None
+    for state in STATES[1:]:
+        if layouts[state] != layouts["fp32"]:
+            differ = sorted(set(layouts[state].items()) ^ set(layouts["fp32"].items()))[:1]
+            raise CheckpointError(f"{tag_dir}: {state}.safetensors and fp32.safetensors hold different tensors (e.g. "
+                                  f"{differ[0][0][:80]}): not one universal checkpoint")
 
 
 def _stage_shard(load_dir, tag, state: str, config: ModelConfig, tp_size: int, tp_rank: int, pp_rank: int,

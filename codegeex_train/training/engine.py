@@ -2,13 +2,16 @@
 
 Written once, for pretraining and the benchmarks: ``deepspeed.initialize`` gets a torch AdamW instance (no
 JIT-built optimizer op), our LR schedule, and the ``mpu`` that hands ZeRO the DP and model-parallel groups
-(``distributed/topology.py``) when the model is tensor- or pipeline-parallel.
+(``distributed/topology.py``) when the model is tensor- or pipeline-parallel. Its checkpoint engine is replaced by
+``checkpoint/training.py``'s ``SafeCheckpointEngine``: every file DeepSpeed loads is unpickled weights-only, and a
+failed write is reported by ``save_checkpoint`` instead of raised out of the middle of DeepSpeed's save.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
+from codegeex_train.checkpoint.training import install_checkpoint_engine
 from codegeex_train.config.arguments import OptimConfig
 from codegeex_train.distributed.topology import DeepSpeedMPU, Topology
 from codegeex_train.training.optim import LRSchedule, build_optimizer
@@ -25,4 +28,5 @@ def build_engine(model: nn.Module, optim: OptimConfig, train_iters: int, ds_conf
     mpu = DeepSpeedMPU(topology) if topology is not None else None
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule, mpu=mpu,
                                            config=ds_config, dist_init_required=False)
+    install_checkpoint_engine(engine)
     return engine

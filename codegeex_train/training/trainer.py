@@ -18,7 +18,7 @@ import torch.distributed as dist
 from codegeex_train.accounting import CommCounter, Workload, comm_bytes_per_step, memory_per_rank
 from codegeex_train.accounting.memory import SavedActivations, measure_state_memory
 from codegeex_train.accounting.theory import microbatches_in_flight
-from codegeex_train.checkpoint.files import checkpoint_tag, tokenizer_settings
+from codegeex_train.checkpoint.files import CheckpointError, checkpoint_tag, read_latest, tokenizer_settings
 from codegeex_train.checkpoint.train_state import TrainState
 from codegeex_train.checkpoint.training import save_checkpoint
 from codegeex_train.config.arguments import Args
@@ -190,12 +190,15 @@ def _numerical_health(run: Run) -> NumericalHealth:
 def _health_error(run: Run, iteration: int, problem: str) -> NumericalHealthError:
     """The one message (printed by rank 0) naming the iteration and the last good checkpoint."""
     t = run.args.train
-    latest = os.path.join(t.save, "latest") if t.save else None
-    if latest and os.path.isfile(latest):
-        with open(latest) as f:
-            last_good = f"{f.read().strip()} in {t.save} (relaunch with --load {t.save} to resume from it)"
+    if not t.save:
+        last_good = "none (no --save)"
+    elif not os.path.lexists(os.path.join(t.save, "latest")):
+        last_good = f"none ({t.save} has no 'latest')"
     else:
-        last_good = f"none ({t.save} has no 'latest')" if t.save else "none (no --save)"
+        try:  # never follows a link, never echoes what is not a tag
+            last_good = f"{read_latest(t.save)} in {t.save} (relaunch with --load {t.save} to resume from it)"
+        except CheckpointError as e:
+            last_good = f"unknown ({e})"
     message = redact_secrets(f"{problem}; stopped at iteration {iteration} without saving it. Last good checkpoint: "
                              f"{last_good}")
     if run.topology.rank == 0:
