@@ -62,8 +62,8 @@ def hf_generate(hf_model, batch: list[list[int]], new_tokens: int) -> list[list[
     for i, p in enumerate(batch):  # left padding, as HF documents for decoder-only batches
         ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
     with torch.no_grad():
-        out = hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                                min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        out = hf_model.generate(input_ids=ids.to(hf_model.device), attention_mask=mask.to(hf_model.device),
+                                max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     return out[:, width:].tolist()
 
 

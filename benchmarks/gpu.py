@@ -515,16 +515,10 @@ def unit_d(a, state: State, topology, device, deadline: Deadline) -> None:
     gen = Generator(ours, None, device=device)
     new = a.d_new_tokens
 
+    from generation import hf_generate as hf_generate_batch  # benchmarks/generation.py (the script's directory)
+
     def hf_generate(n_new: int) -> list[list[int]]:
-        width = max(map(len, prompts))
-        ids = torch.zeros(len(prompts), width, dtype=torch.long)
-        mask = torch.zeros(len(prompts), width, dtype=torch.long)
-        for i, p in enumerate(prompts):  # left padding, as HF documents for decoder-only batches
-            ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
-        with torch.no_grad():
-            out = hf_model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=n_new,
-                                    min_new_tokens=n_new, do_sample=False, pad_token_id=0)
-        return out[:, width:].tolist()
+        return hf_generate_batch(hf_model, prompts, n_new)
 
     def ours_generate(n_new: int) -> list[list[int]]:
         return gen.generate_ids(prompts, SamplingParams(max_new_tokens=n_new))

@@ -5,11 +5,10 @@ import weakref
 
 import pytest
 import torch
+from pipeline_helpers import SHAPE, Saved, microbatch
 
 from codegeex_train.pipeline import P2PCommunicator, ScheduleStats, one_f_one_b, run_schedule, with_p2p_ops
 from codegeex_train.testing import run_distributed
-
-SHAPE = (2, 3, 8)  # (micro-batch, sequence, hidden)
 
 
 def expected_1f1b(p, s, m):
@@ -37,17 +36,6 @@ def stage_weight(s):
     return torch.randn(SHAPE[-1], SHAPE[-1], generator=torch.Generator().manual_seed(s)) / 3
 
 
-def microbatch(i):
-    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(100 + i))
-
-
-class _Saved:  # what autograd keeps for one saved tensor; weakly referenced to see when it is freed
-    __slots__ = ("t", "__weakref__")
-
-    def __init__(self, t):
-        self.t = t
-
-
 class ChainStage:
     """y = tanh(x W_s); the last stage's loss is mean(y^2) / m."""
 
@@ -61,7 +49,7 @@ class ChainStage:
         refs = self.saved[mb] = []
 
         def pack(t):
-            holder = _Saved(t)
+            holder = Saved(t)
             refs.append(weakref.ref(holder))
             return holder
 

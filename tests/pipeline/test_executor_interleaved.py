@@ -17,6 +17,7 @@ from collections import defaultdict
 
 import pytest
 import torch
+from pipeline_helpers import SHAPE, Saved, microbatch
 
 from codegeex_train.pipeline import (
     Exchange,
@@ -31,7 +32,6 @@ from codegeex_train.pipeline import (
 )
 from codegeex_train.testing import run_distributed
 
-SHAPE = (2, 3, 8)  # (micro-batch, sequence, hidden)
 NBYTES = 2 * 3 * 8 * 4  # one fp32 activation or gradient
 
 
@@ -275,17 +275,6 @@ def layer_weight(k):
     return torch.randn(SHAPE[-1], SHAPE[-1], generator=torch.Generator().manual_seed(k)) / 2
 
 
-def microbatch(i):
-    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(100 + i))
-
-
-class _Saved:  # what autograd keeps for one saved tensor; weakly referenced to see when it is freed
-    __slots__ = ("t", "__weakref__")
-
-    def __init__(self, t):
-        self.t = t
-
-
 class ChunkChainStage:
     """Rank r of p with v chunks: chunk c is virtual stage k = c·p + r, y = tanh(x W_k); the last virtual stage's
     loss is mean(y^2) / m. A ``ChunkedPipelineStage``."""
@@ -306,7 +295,7 @@ class ChunkChainStage:
         refs = self.saved[(mb, chunk)] = []
 
         def pack(t):
-            holder = _Saved(t)
+            holder = Saved(t)
             refs.append(weakref.ref(holder))
             return holder
 
