@@ -10,7 +10,7 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 # No DS_ACCELERATOR here: DeepSpeed picks the device (CUDA on a GPU machine). The CPU branch of
 # scripts/pretrain_codegen.sh and tests/conftest.py (every test and the ranks it spawns) set cpu themselves.
 
-.PHONY: env cluster-deps lint test test-fast pretrain bench clean
+.PHONY: env cluster-deps sandbox-deps humaneval-x-deps lint test test-fast pretrain bench clean
 
 env: $(VENV)/.installed
 
@@ -51,16 +51,54 @@ cluster-deps:
 	$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
 	$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pdsh openssh-server
 
+# Every evaluated sample runs under bubblewrap (codegeex_train/evaluation/sandbox.py; without it the evaluation
+# stops with an error): installs the bubblewrap package with apt-get (sudo when not root) when bwrap is missing.
+sandbox-deps:
+	@command -v bwrap >/dev/null 2>&1 && exit 0; \
+	if ! command -v apt-get >/dev/null 2>&1; then \
+		echo "sandbox-deps: bwrap missing and no apt-get: install bubblewrap (the evaluation tests need it)" >&2; exit 1; \
+	fi; \
+	SUDO=; if [ "$$(id -u)" != 0 ] && command -v sudo >/dev/null 2>&1; then SUDO=sudo; fi; \
+	echo "sandbox-deps: bwrap missing: installing bubblewrap with $${SUDO:+sudo }apt-get (each evaluated sample runs in it)"; \
+	$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+	$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap
+
+# HumanEval-X builds and runs C++, Java, JavaScript and Go samples (codegeex_train/evaluation/toolchains.py):
+# their compilers and what some tasks use (boost and OpenSSL headers, Go's testify) with apt-get (sudo when not
+# root), and js-md5 with npm into .cache/node_modules (samples run offline); only what is missing, saying so.
+HUMANEVAL_X_APT := g++:g++ javac:openjdk-17-jdk-headless node:nodejs go:golang-go \
+	/usr/share/gocode/src/github.com/stretchr/testify:golang-github-stretchr-testify-dev \
+	/usr/include/boost/any.hpp:libboost-dev /usr/include/openssl/md5.h:libssl-dev
+humaneval-x-deps:
+	@missing=; for pair in $(HUMANEVAL_X_APT); do what=$${pair%%:*}; \
+		if [ "$${what#/}" = "$$what" ]; then command -v $$what >/dev/null 2>&1 && continue; \
+		else test -e $$what && continue; fi; missing="$$missing $${pair#*:}"; done; \
+	{ command -v npm >/dev/null 2>&1 || test -d .cache/node_modules/js-md5; } || missing="$$missing npm"; \
+	if [ -n "$$missing" ]; then \
+		if ! command -v apt-get >/dev/null 2>&1; then \
+			echo "humaneval-x-deps: missing$$missing and no apt-get: install them for HumanEval-X's languages" >&2; \
+			exit 1; \
+		fi; \
+		SUDO=; if [ "$$(id -u)" != 0 ] && command -v sudo >/dev/null 2>&1; then SUDO=sudo; fi; \
+		echo "humaneval-x-deps: installing$$missing with $${SUDO:+sudo }apt-get (HumanEval-X: C++, Java, JavaScript, Go)"; \
+		$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+		$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq$$missing || exit 1; \
+	fi; \
+	if [ ! -d .cache/node_modules/js-md5 ]; then \
+		echo "humaneval-x-deps: installing js-md5 with npm into .cache/node_modules (HumanEval-X JavaScript/162)"; \
+		npm install --prefix .cache --no-save --no-audit --no-fund --silent js-md5@0.7.3; \
+	fi
+
 # The import layers (.importlinter): nothing imports a package above its own, no cycles.
 lint: env
 	$(VENV)/bin/lint-imports
 
 # Everything (what CI runs), with the slowest tests named at the end.
-test: lint cluster-deps
+test: lint cluster-deps sandbox-deps humaneval-x-deps
 	$(PY) -m pytest -q tests --durations=25
 
 # The fast tier (< 5 min here): one end-to-end case of every feature; tests/conftest.py marks the rest slow.
-test-fast: lint
+test-fast: lint sandbox-deps humaneval-x-deps
 	$(PY) -m pytest -q tests -m "not slow" --durations=10
 
 pretrain: $(VENV)/.installed-base

@@ -44,7 +44,8 @@ from codegeex_train.distributed.cluster import (
 from codegeex_train.distributed.layout import Layout
 from codegeex_train.distributed.malloc import fix_malloc_thresholds
 from codegeex_train.distributed.topology import Topology
-from codegeex_train.evaluation.during_training import humaneval_callback
+from codegeex_train.evaluation.during_training import humaneval_callback, humaneval_problems, training_sandbox
+from codegeex_train.evaluation.sandbox import SandboxError
 from codegeex_train.metrics import MetricsLogger
 from codegeex_train.model.codegeex import CodeGeeXModel
 from codegeex_train.model.flops import model_flops_per_iteration
@@ -82,7 +83,14 @@ def prepare(argv: list[str] | None) -> Prepared:
         raise ConfigError(str(e)) from None
     preflight_data(args.data, args.model.padded_vocab_size)
     ds_config = build_deepspeed_config(args, layout, load_user_config(args.train.deepspeed_config))
-    resume = preflight_load(args.train, args.model, layout.dims)
+    resume = preflight_load(args.train, args.model, layout.dims, layout.num_chunks)
+    if args.train.eval_humaneval_interval:  # a machine that cannot isolate samples stops the run now
+        try:
+            training_sandbox(args.train.unsafe_no_sandbox)
+            humaneval_problems(args.train.eval_humaneval_languages, args.train.eval_humaneval_problems,
+                               args.train.eval_humaneval_tasks)  # readable, and their compilers installed
+        except (SandboxError, ValueError, RuntimeError) as e:  # + ProblemsError, ToolchainError
+            raise ConfigError(f"--eval-humaneval-interval: {e}") from None
     return Prepared(args, layout, ds_config, resume, tokenizer)
 
 
@@ -155,13 +163,17 @@ def main(argv: list[str] | None = None) -> TrainState:
     # stages differ (Megatron's +100 per stage) so they do not repeat each other's masks.
     tracker = model_parallel_seed(t.seed + 100 * topology.pp_rank, topology.tp_rank, device)
     model = CodeGeeXModel(args.model, topology.tp_group, tracker, seed=t.seed, pre_process=topology.is_first_stage,
-                          post_process=topology.is_last_stage, layer_numbers=layout.stage_layers[topology.pp_rank],
+                          post_process=topology.is_last_stage, chunk_layers=layout.rank_chunks(topology.pp_rank),
                           sequence_parallel=args.parallel.sequence_parallel, recompute=recompute_from_args(args),
                           device=device)
     mark_shared_embedding_copy(model, topology)
     workload = Workload.from_run(args, layout, ds_config, device.type)
     if topology.rank == 0:
         print(model_summary(model, args.model, topology.tp_size, topology.pp_size), flush=True)
+        if layout.num_chunks > 1:
+            print(f"interleaved 1F1B: {layout.num_chunks} model chunks per pipeline rank; " + "; ".join(
+                f"rank {r}: layers " + " + ".join(f"{c[0]}-{c[-1]}" for c in chunks)
+                for r, chunks in enumerate(layout.chunk_layers)), flush=True)
         print(expected_memory_report(workload), flush=True)
     engine, state = restore(prepared.resume, model, topology, tracker, layout.stage_layers,
                             lambda m: build_engine(m, args.optim, t.train_iters, ds_config, topology))
@@ -190,8 +202,9 @@ def main(argv: list[str] | None = None) -> TrainState:
     exit_conditions = ExitConditions(signal_handler=t.exit_signal_handler, duration_mins=t.exit_duration_in_mins,
                                      start_time=start_time, device=device)
     humaneval = humaneval_callback(engine, prepared.tokenizer, device, topology, tasks=t.eval_humaneval_tasks,
-                                   max_new_tokens=t.eval_humaneval_max_new_tokens,
-                                   execute=logger.enabled) if t.eval_humaneval_interval else None
+                                   max_new_tokens=t.eval_humaneval_max_new_tokens, execute=logger.enabled,
+                                   unsafe_no_sandbox=t.unsafe_no_sandbox, languages=t.eval_humaneval_languages,
+                                   problems=t.eval_humaneval_problems) if t.eval_humaneval_interval else None
     run = Run(args, layout, topology, engine, tracker, device, logger, flops, peak, exit_conditions=exit_conditions,
               workload=workload, evaluate_humaneval=humaneval,
               step_context=step_context_from_environment(engine.module))

@@ -3,6 +3,7 @@
 #
 #   bash scripts/pretrain_codegen.sh                      # small CodeGeeX, stdlib corpus, CPU, 2 ranks, ~5 min
 #   PP=2 bash scripts/pretrain_codegen.sh                 # the same on CPU as a 2-stage pipeline (TP 1, PP 2)
+#   PP=2 VPP=1 bash scripts/pretrain_codegen.sh           # interleaved 1F1B: 2 chunks of 1 layer on each stage
 #   bash scripts/pretrain_codegen.sh                      # on a GPU node: every GPU nvidia-smi lists, bf16, NCCL
 #   DRY_RUN=1 bash scripts/pretrain_codegen.sh            # print the layout and the launch command; run nothing
 #   DEVICE=gpu NUM_GPUS=8 TP=8 bash scripts/pretrain_codegen.sh
@@ -22,7 +23,9 @@
 # (default | codegeex-13b), DEVICE (cpu | gpu; default gpu when nvidia-smi lists one, unless DS_ACCELERATOR=cpu),
 # NUM_GPUS (ranks per node; default the GPUs `nvidia-smi -L` lists, 2 on CPU), HOSTFILE (several nodes, via
 # pdsh/ssh; the ranks are its slots), TP, PP (stages; 39 layers split unevenly need
-# --decoder-first/last-pipeline-num-layers), MICRO_BATCH, MICRO_BATCHES (micro-batches per step; default
+# --decoder-first/last-pipeline-num-layers), VPP=N (interleaved 1F1B: --num-layers-per-virtual-pipeline-stage N,
+# N layers per model chunk, layers / (PP x N) chunks per stage; needs PP > 1 and MICRO_BATCHES divisible by PP),
+# MICRO_BATCH, MICRO_BATCHES (micro-batches per step; default
 # PP), GLOBAL_BATCH (default: the config's, 1536 for codegeex-13b, and for the default config MICRO_BATCH x DP x
 # MICRO_BATCHES with DP = ranks / (TP x PP), so it follows the GPUs),
 # TRAIN_ITERS, SEQ_LENGTH, DATA_PATH (default: the Python stdlib, preprocessed on first use), TOKENIZER_ARGS,
@@ -55,10 +58,12 @@ if [ -z "${DEVICE:-}" ]; then
 fi
 TP=${TP:-1}
 PP=${PP:-1}
+VPP=${VPP:-}
 PYTHON=${PYTHON:-python}
 
 case "$CONFIG" in
   default)  # small enough to learn visibly on 2 CPU cores in minutes
+    NUM_LAYERS=4
     MODEL_ARGS="--num-layers 4 --hidden-size 256 --num-attention-heads 8 --max-position-embeddings 256
                 --hidden-dropout 0.0 --attention-dropout 0.0 --activation fast_gelu"
     # One micro-batch of 8 per DP rank a step (so 16 sequences on the 2 CPU ranks); a pipeline gets PP of them.
@@ -68,6 +73,7 @@ case "$CONFIG" in
     TRAIN_ITERS=${TRAIN_ITERS:-200}; LR=${LR:-1.5e-3}; MIN_LR=${MIN_LR:-0}; DECAY=${DECAY:-linear}
     WARMUP=${WARMUP:-20}; EVAL_INTERVAL=100; SAVE_INTERVAL=100; LOG_INTERVAL=10 ;;
   codegeex-13b)  # CodeGeeX-13B's shape: 39 layers + the top query layer, 40 heads of 128
+    NUM_LAYERS=39
     MODEL_ARGS="--num-layers 39 --hidden-size 5120 --num-attention-heads 40 --ffn-hidden-size 20480
                 --max-position-embeddings 2048 --activation fast_gelu"
     # Activation memory: sequence parallelism + selective recompute (Korthikanti et al. 2022), not full recompute
@@ -113,7 +119,7 @@ esac
 
 # Layout flags among the arguments override the variables (the last one wins in pretrain.py too), so that the
 # layout checked and printed here is the one that runs.
-USER_LOAD= ARGS_SP= ARGS_RECOMPUTE=
+USER_LOAD= ARGS_SP= ARGS_RECOMPUTE= ARGS_VPP=
 ARGV=("$@")
 for ((i = 0; i < ${#ARGV[@]}; i++)); do
   flag=${ARGV[i]} value=${ARGV[i + 1]:-}
@@ -121,6 +127,8 @@ for ((i = 0; i < ${#ARGV[@]}; i++)); do
   case "$flag" in
     --tensor-model-parallel-size) TP=$value ;;
     --pipeline-model-parallel-size) PP=$value ;;
+    --num-layers-per-virtual-pipeline-stage) VPP=$value ARGS_VPP=1 ;;
+    --num-layers) NUM_LAYERS=$value ;;
     --micro-batch-size) MICRO_BATCH=$value ;;
     --global-batch-size) GLOBAL_BATCH=$value ;;
     --num-microbatches) MICRO_BATCHES=$value ;;
@@ -141,6 +149,8 @@ case "$RECOMPUTE" in none | selective | full) ;; *) die "RECOMPUTE=$RECOMPUTE: u
 MEMORY_ARGS=()
 [ "$SP" = 1 ] && [ -z "${ARGS_SP:-}" ] && MEMORY_ARGS+=(--sequence-parallel)
 [ "$RECOMPUTE" != none ] && [ -z "${ARGS_RECOMPUTE:-}" ] && MEMORY_ARGS+=(--recompute-granularity "$RECOMPUTE")
+VPP_ARGS=()
+[ -n "$VPP" ] && [ -z "$ARGS_VPP" ] && VPP_ARGS=(--num-layers-per-virtual-pipeline-stage "$VPP")
 # e.g. LAUNCHER_ARGS="--master_addr 10.0.0.1 --master_port 29500 --ssh_port 2222" (word list)
 # shellcheck disable=SC2206
 EXTRA_LAUNCHER_ARGS=(${LAUNCHER_ARGS:-})
@@ -154,13 +164,24 @@ for ((i = 0; i < ${#EXTRA_LAUNCHER_ARGS[@]}; i++)); do
     --include | --exclude) SUBSET=$flag ;;
   esac
 done
-for name in TP PP MICRO_BATCH NUM_GPUS GLOBAL_BATCH MICRO_BATCHES LAUNCH_NODES LAUNCH_GPUS; do
+for name in TP PP VPP NUM_LAYERS MICRO_BATCH NUM_GPUS GLOBAL_BATCH MICRO_BATCHES LAUNCH_NODES LAUNCH_GPUS; do
   value=${!name:-}
   [ -z "$value" ] || [[ "$value" =~ ^[0-9]+$ ]] || die "$name=$value: not a whole number"
 done
-for name in TP PP MICRO_BATCH GLOBAL_BATCH MICRO_BATCHES; do
+for name in TP PP VPP MICRO_BATCH GLOBAL_BATCH MICRO_BATCHES; do
   [ "${!name:-1}" -gt 0 ] || die "$name=${!name}: must be at least 1"
 done
+# Interleaved 1F1B (Megatron's rules): a pipeline, and the layers cut into PP x VPP-layer chunks.
+if [ -n "$VPP" ]; then
+  [ "$PP" -gt 1 ] || die "VPP=$VPP (--num-layers-per-virtual-pipeline-stage) needs PP > 1: interleaving splits" \
+    "the pipeline's stages into chunks; unset VPP for PP $PP"
+  if (( NUM_LAYERS % (PP * VPP) )); then
+    FITS=$(for ((n = 1; n <= NUM_LAYERS / PP; n++)); do (( NUM_LAYERS % (PP * n) )) || printf ' %s' "$n"; done)
+    [ -n "$FITS" ] && FITS="use VPP among:$FITS" || FITS="no VPP works at PP $PP"
+    die "VPP=$VPP: the $NUM_LAYERS layers do not split into chunks of $VPP on each of the $PP stages" \
+      "(layers divisible by PP x VPP = $((PP * VPP))): $FITS"
+  fi
+fi
 
 # The ranks: NUM_GPUS on this node, or the hostfile's slots (trimmed as deepspeed's --num_nodes/--num_gpus do).
 if [ -n "${HOSTFILE:-}" ]; then
@@ -200,6 +221,9 @@ else
     MICRO_BATCHES=${MICRO_BATCHES:-$PP}
     GLOBAL_BATCH=$((PER_STEP * MICRO_BATCHES))
   fi
+  [ -z "$VPP" ] || (( MICRO_BATCHES % PP == 0 )) || die "VPP=$VPP: interleaved 1F1B needs the micro-batches per" \
+    "step (MICRO_BATCHES $MICRO_BATCHES = GLOBAL_BATCH / (MICRO_BATCH x DP)) divisible by PP $PP: use a" \
+    "GLOBAL_BATCH of a multiple of $((PER_STEP * PP))"
 fi
 
 # Where the weights come from: this output directory's last complete checkpoint wins (a relaunch resumes);
@@ -246,7 +270,7 @@ command -v deepspeed >/dev/null 2>&1 || LAUNCHER=("$PYTHON" -m deepspeed.launche
 # shellcheck disable=SC2086  # MODEL_ARGS, PRECISION_ARGS and TOKENIZER_ARGS are word lists
 CMD=("${LAUNCHER[@]}" "$ROOT/codegeex_train/pretrain.py"
   $MODEL_ARGS $PRECISION_ARGS
-  --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" "${MEMORY_ARGS[@]}"
+  --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" "${VPP_ARGS[@]}" "${MEMORY_ARGS[@]}"
   --seq-length "$SEQ_LENGTH" --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH"
   --train-iters "$TRAIN_ITERS" --lr "$LR" --min-lr "$MIN_LR" --lr-decay-style "$DECAY"
   --lr-warmup-iters "$WARMUP" --weight-decay 0.1 --clip-grad 1.0 --adam-beta2 0.95
@@ -256,7 +280,8 @@ CMD=("${LAUNCHER[@]}" "$ROOT/codegeex_train/pretrain.py"
   --log-interval "$LOG_INTERVAL" --num-workers 1 --exit-signal-handler "${LOAD_ARGS[@]}"
   "$@")
 
-echo "codegeex_train: layout CONFIG=$CONFIG DEVICE=$DEVICE NODES=$NODES RANKS=$RANKS TP=$TP PP=$PP DP=$DP" \
+echo "codegeex_train: layout CONFIG=$CONFIG DEVICE=$DEVICE NODES=$NODES RANKS=$RANKS TP=$TP PP=$PP VPP=${VPP:-none}" \
+  "DP=$DP" \
   "MICRO_BATCH=$MICRO_BATCH MICRO_BATCHES=$MICRO_BATCHES GLOBAL_BATCH=$GLOBAL_BATCH SP=$SP RECOMPUTE=$RECOMPUTE"
 # Words as a shell reads them back: plain ones as they are, the rest quoted.
 shell_words() {
@@ -313,7 +338,7 @@ fi
 # Where everything is, and what to run next (with this run's layout: a checkpoint loads at the same TP and PP).
 TAG=$(cat "$OUTPUT_DIR/latest" 2>/dev/null || echo "(none: no checkpoint saved)")
 SAME=$([ "$CONFIG" = default ] || printf 'CONFIG=%s ' "$CONFIG"; [ "$TP" = 1 ] || printf 'TP=%s ' "$TP"
-       [ "$PP" = 1 ] || printf 'PP=%s ' "$PP")
+       [ "$PP" = 1 ] || printf 'PP=%s ' "$PP"; [ -z "$VPP" ] || printf 'VPP=%s ' "$VPP")
 cat <<SUMMARY
 
 codegeex_train: finished (start: $START). Outputs in $OUTPUT_DIR:

@@ -56,8 +56,9 @@ SCRIPT = ROOT / "scripts" / "pretrain_codegen.sh"
 # --- What is not exercised here, and why --------------------------------------------------------------------------
 # Patterns are matched (re.fullmatch) against the whole command as extracted (continuations joined, comment dropped).
 RUN_BY_HAND: dict[str, str] = {
-    r"(\w+=\S+ )*make (pretrain|test|test-fast)":
-        "make builds .venv (pip installs) and trains for ~5 min or runs the whole suite (~23 min); run by hand "
+    r"(\w+=\S+ )*make (pretrain|test|test-fast|humaneval-x-deps)":
+        "make builds .venv (pip installs) and trains for ~5 min or runs the whole suite (~23 min), or installs "
+        "HumanEval-X's toolchains with apt-get; run by hand "
         "(docs/figures.md has the timings). The target's existence is checked here, and `make pretrain` is "
         "`bash scripts/pretrain_codegen.sh`, whose dry run is exercised",
     r"python3 -m venv \.venv && \.venv/bin/pip install torch":

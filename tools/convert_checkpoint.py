@@ -9,6 +9,9 @@ and pipeline-parallel size.
     # re-split our checkpoint (any TP, PP) for another TP / PP; uneven layer splits as in training
     python tools/convert_checkpoint.py --load CKPT_DIR --save OUT_DIR --tensor-model-parallel-size 4 \\
         --pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 11
+    # ... or for interleaved 1F1B: each rank's file holds its model chunks (here 2 layers per virtual stage)
+    python tools/convert_checkpoint.py --load CKPT_DIR --save OUT_DIR --pipeline-model-parallel-size 2 \\
+        --num-layers-per-virtual-pipeline-stage 2
     # a training checkpoint (any TP, PP, DP; with its ZeRO optimizer state) -> universal: resume at any layout
     python tools/convert_checkpoint.py --load CKPT_DIR --to-universal OUT_DIR
     # the released CodeGeeX-13B weights (codegeex_13b.pt: the codegeex package's CodeGeeXModel) -> ours at TP 8
@@ -55,7 +58,7 @@ from codegeex_train.checkpoint.safe_load import file_kind, open_regular, safe_to
 from codegeex_train.checkpoint.sharding import split_model_parallel
 from codegeex_train.checkpoint.universal import to_universal
 from codegeex_train.config.model import ModelConfig
-from codegeex_train.pipeline.stages import stage_layer_ranges
+from codegeex_train.pipeline.stages import rank_chunk_layers, stage_layer_ranges, virtual_pipeline_size
 
 PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth")  # what an HF directory may hold besides safetensors
 # The index files of sharded weights (save_pretrained): {"weight_map": {parameter name: shard file name}}.
@@ -65,16 +68,27 @@ MAX_INDEX_BYTES = 64 << 20
 
 
 class Layout(NamedTuple):  # not a dataclass: tests load this file as a module outside sys.modules
-    """The model-parallel layout of a written checkpoint: TP size, PP size and the uneven-split flags."""
+    """The model-parallel layout of a written checkpoint: TP size, PP size, the uneven-split flags and the layers
+    per virtual stage (interleaved 1F1B)."""
 
     tp_size: int = 1
     pp_size: int = 1
     first: int | None = None
     last: int | None = None
+    layers_per_virtual_stage: int | None = None
 
-    def stage_layers(self, config: ModelConfig) -> list[range]:
-        """Each stage's layers; checks TP and the split against ``config`` before any weight is read."""
+    def num_chunks(self, config: ModelConfig) -> int:
+        return virtual_pipeline_size(config.num_layers, self.pp_size, self.layers_per_virtual_stage, self.first,
+                                     self.last)
+
+    def stage_layers(self, config: ModelConfig) -> list:
+        """Each stage's layers (all its chunks'); checks TP and the split against ``config`` before any weight is
+        read."""
         config.validate(self.tp_size)
+        v = self.num_chunks(config)
+        if v > 1:
+            return [[i for chunk in chunks for i in chunk]
+                    for chunks in rank_chunk_layers(config.num_layers, self.pp_size, v)]
         return stage_layer_ranges(config.num_layers, self.pp_size, self.first, self.last)
 
 
@@ -139,7 +153,7 @@ def from_hf(hf_dir: str, save_dir: str, layout: Layout, make_vocab_size_divisibl
     hf_model = GPT2LMHeadModel.from_pretrained(hf_dir, local_files_only=True)
     full = hf_gpt2_to_full(hf_model.state_dict(), config)
     save_model_checkpoint(save_dir, split_model_parallel(full, config, layout.tp_size, stage_layers), config,
-                          layout.tp_size, pp_size=layout.pp_size)
+                          layout.tp_size, pp_size=layout.pp_size, num_chunks=layout.num_chunks(config))
 
 
 def to_hf(load_dir: str, hf_dir: str) -> None:
@@ -167,7 +181,7 @@ def from_codegeex(path: str, save_dir: str, layout: Layout, num_attention_heads:
     except ValueError as e:
         raise CheckpointError(f"--from-codegeex {path}: {e}") from None
     save_model_checkpoint(save_dir, split_model_parallel(full, config, layout.tp_size, stage_layers), config,
-                          layout.tp_size, pp_size=layout.pp_size)
+                          layout.tp_size, pp_size=layout.pp_size, num_chunks=layout.num_chunks(config))
 
 
 def to_codegeex(load_dir: str, path: str) -> None:
@@ -186,11 +200,13 @@ def reshard(load_dir: str, save_dir: str, layout: Layout) -> None:
     full, config, meta = load_full_state_dict(load_dir)
     save_model_checkpoint(save_dir, split_model_parallel(full, config, layout.tp_size, stage_layers), config,
                           layout.tp_size, pp_size=layout.pp_size, iteration=meta["iteration"],
+                          num_chunks=layout.num_chunks(config),
                           tag=f"iter_{meta['iteration']:07d}", tokenizer=meta.get("tokenizer"))
 
 
 _LAYOUT_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
-                 "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers")
+                 "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
+                 "--num-layers-per-virtual-pipeline-stage")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -219,6 +235,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="layers on the first pipeline stage, as in training (default: an even split)")
     p.add_argument("--decoder-last-pipeline-num-layers", type=int, metavar="N",
                    help="layers on the last pipeline stage, as in training (default: an even split)")
+    p.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, metavar="N",
+                   help="interleaved 1F1B, as in training: each rank's file holds its layers / (PP x N) model chunks "
+                   "(default: one chunk per rank)")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the vocabulary to a multiple of this (with --from-hf; --from-codegeex keeps the "
                    "file's padded vocabulary, CodeGeeX-13B's 52224)")
@@ -255,7 +274,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def layout_of(args: argparse.Namespace) -> Layout:
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     return Layout(1 if tp is None else tp, 1 if pp is None else pp,
-                  args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
+                  args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers,
+                  args.num_layers_per_virtual_pipeline_stage)
 
 
 def main(argv: list[str] | None = None) -> None:

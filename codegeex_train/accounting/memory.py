@@ -9,7 +9,9 @@ distinct storage reachable from the model and its ZeRO optimizer is counted once
   buffers     every other tensor the ZeRO optimizer keeps, and ``.grad`` still alive (a bucket not yet reduced);
   activations what autograd saves for the backward of one micro-batch (a ``saved_tensors_hooks`` tally of
               distinct storages, parameters excluded; inside selective-recompute blocks too, through
-              ``tensor_parallel.recompute.OBSERVERS``), times the micro-batches 1F1B keeps in flight.
+              ``tensor_parallel.recompute.OBSERVERS``), times the micro-batches 1F1B keeps in flight;
+              interleaved 1F1B: of each model chunk's first forward (``ChunkActivations``), summed over the
+              (micro-batch, chunk) pairs the schedule holds at its peak (``theory.activations_in_flight``).
 The parts are comparable one by one with ``theory.memory_per_rank``.
 """
 
@@ -63,6 +65,41 @@ class SavedActivations:
     def __exit__(self, *exc) -> None:
         OBSERVERS.remove(self._pack)
         self._hooks.__exit__(*exc)
+
+
+class ChunkActivations:
+    """``with ChunkActivations(model) as saved: <a training step>``; ``saved.bytes[c]``: what autograd saved for the
+    first forward of model chunk c (``model(..., chunk=c)``; micro-batch 0 in every schedule), through forward
+    hooks on ``model``: the chunks of interleaved 1F1B hold different layers, so each is measured once."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.bytes: dict[int, int] = {}
+        self._open: tuple[int, SavedActivations] | None = None
+
+    def _before(self, module, args, kwargs) -> None:
+        chunk = kwargs.get("chunk", 0)
+        if chunk not in self.bytes and self._open is None:
+            self._open = chunk, SavedActivations(module).__enter__()
+
+    def _after(self, module, args, kwargs, output) -> None:
+        if self._open is not None:
+            chunk, saved = self._open
+            saved.__exit__(None, None, None)
+            self.bytes[chunk], self._open = saved.bytes, None
+
+    def __enter__(self) -> "ChunkActivations":
+        self._hooks = [self.model.register_forward_pre_hook(self._before, with_kwargs=True),
+                       self.model.register_forward_hook(self._after, with_kwargs=True)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+    def per_chunk(self, num_chunks: int) -> list[int]:
+        """Bytes by chunk, 0 .. num_chunks - 1."""
+        return [self.bytes[c] for c in range(num_chunks)]
 
 
 def measure_state_memory(engine) -> dict[str, int]:

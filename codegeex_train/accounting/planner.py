@@ -1,5 +1,5 @@
-"""Layout planner: which (TP, PP, DP, micro-batch, sequence parallelism, recompute) to use on a cluster, from the
-shapes alone, before any GPU is booked.
+"""Layout planner: which (TP, PP, interleaving, DP, micro-batch, sequence parallelism, recompute) to use on a
+cluster, from the shapes alone, before any GPU is booked.
 
     python -m codegeex_train.accounting.planner --config codegeex-13b --world-size 1536 --gpus-per-node 8 --gpu-memory-gb 32
     python -m codegeex_train.accounting.planner --num-layers 39 --hidden-size 5120 --num-attention-heads 40 \\
@@ -16,7 +16,10 @@ would give training). The step-time estimate is a model, not a measurement; its 
 * sequence parallelism changes no FLOP: the LayerNorms and dropouts it splits are not counted;
 * 1F1B pipeline: a step takes (m + p - 1) x the slowest stage's time per micro-batch, so the parts are the
   ideal compute, the stage imbalance (slowest stage minus the mean, m times) and the bubble ((p - 1) times
-  the slowest stage; bubble fraction (p - 1) / m as Megatron reports it);
+  the slowest stage; bubble fraction (p - 1) / m as Megatron reports it); interleaved 1F1B with v model chunks
+  per rank (``--num-layers-per-virtual-pipeline-stage``, where Megatron allows it: PP > 1, the layers split
+  evenly into p x v chunks, m divisible by p) shrinks the bubble to (p - 1) / v slowest-stage times (fraction
+  (p - 1) / (v m)) for v times the PP bytes and more activations in flight (``theory.activations_in_flight``);
 * TP all-reduces and PP sends are blocking in Megatron's schedule: on the critical path of every micro-batch;
   under SP so are the all-gathers and reduce-scatters that replace them and the re-gathers in backward;
 * collectives run as rings: a group of g ranks moves (g - 1) / g of the bytes ``theory`` counts per rank
@@ -129,6 +132,16 @@ class Row:
         return sum(self.time_parts.values())
 
     @property
+    def num_chunks(self) -> int:
+        """v, the model chunks per pipeline rank (1: plain 1F1B)."""
+        return self.layout.num_chunks
+
+    @property
+    def layers_per_virtual_stage(self) -> int | None:
+        """``--num-layers-per-virtual-pipeline-stage``: None without interleaving."""
+        return len(self.layout.chunk_layers[0][0]) if self.num_chunks > 1 else None
+
+    @property
     def layer_counts(self) -> tuple[int, ...]:
         return tuple(len(r) for r in self.layout.stage_layers)
 
@@ -145,8 +158,12 @@ class Row:
 
     @property
     def flags(self) -> list[str]:
-        """The training flags for SP and recompute (the layer split: ``split_flags``)."""
-        flags = ["--sequence-parallel"] if self.sequence_parallel else []
+        """The training flags for interleaving, SP and recompute (the layer split: ``split_flags``)."""
+        flags = []
+        if self.num_chunks > 1:
+            flags += ["--num-layers-per-virtual-pipeline-stage", str(self.layers_per_virtual_stage)]
+        if self.sequence_parallel:
+            flags.append("--sequence-parallel")
         if self.recompute.granularity:
             flags += ["--recompute-granularity", self.recompute.granularity]
         return flags
@@ -231,20 +248,23 @@ def _layer_ranges(counts: tuple[int, ...]) -> tuple[range, ...]:
 def estimate_layout(model: ModelConfig, cluster: Cluster, *, seq_length: int, global_batch_size: int, tp: int,
                     pp: int, micro_batch_size: int, recompute: Recompute = Recompute(),
                     sequence_parallel: bool = False, dtype_bytes: int = 2,
-                    stage_layers: tuple[int, ...] | None = None, device: str = "cuda") -> Row:
+                    stage_layers: tuple[int, ...] | None = None, num_chunks: int = 1, device: str = "cuda") -> Row:
     """Memory, traffic and step time of one layout (no constraint checks beyond the arithmetic).
-    ``stage_layers``: layers per stage; default the split with the fastest slowest stage. ``device``: "cuda" or
-    "cpu" (the accounting's device; a cluster without fused attention overrides it)."""
+    ``stage_layers``: layers per stage; default the split with the fastest slowest stage, or with ``num_chunks``
+    v > 1 (interleaved 1F1B) the even split into p x v chunks. ``device``: "cuda" or "cpu" (the accounting's
+    device; a cluster without fused attention overrides it)."""
     dims = ParallelDims(cluster.world_size, tp, pp)
     dp = dims.dp_size
     m = global_batch_size // (micro_batch_size * dp)
     counts = stage_layers
-    if counts is None:
+    if counts is None and num_chunks == 1:
         counts = _best_split(tuple(sorted(vars(model).items())), model.num_layers, pp)
-    layout = Layout(dims, micro_batch_size, m, _layer_ranges(counts))
+    # interleaved: the Workload makes the chunks (and the stages' layers) as training does
+    layout = Layout(dims, micro_batch_size, m, _layer_ranges(counts) if counts else (), num_chunks)
     w = Workload(model=model, seq_length=seq_length, layout=layout, dtype_bytes=dtype_bytes,
                  sequence_parallel=sequence_parallel, recompute=recompute,
                  device=device if cluster.fused_attention else "unfused")
+    layout, counts = w.layout, tuple(len(r) for r in w.layout.stage_layers)
     stages = range(pp)
     mems = [memory_per_rank(w, i) for i in stages]
     comms = [comm_bytes_per_step(w, i) for i in stages]
@@ -282,7 +302,7 @@ def estimate_layout(model: ModelConfig, cluster: Cluster, *, seq_length: int, gl
     parts = {
         "compute": m * mean_compute,
         "imbalance": m * (compute[slow] - mean_compute),
-        "bubble": (pp - 1) * per_mb[slow],
+        "bubble": (pp - 1) * per_mb[slow] / num_chunks,  # interleaved: p - 1 slots of one chunk, 1/v of a stage
         "tp": m * tp_s[slow],
         "pp": m * pp_s[slow],
         "dp": flush[last][0],
@@ -292,14 +312,23 @@ def estimate_layout(model: ModelConfig, cluster: Cluster, *, seq_length: int, gl
     return Row(layout=layout, sequence_parallel=w.sp, recompute=recompute,
                parameters=max(stage_parameters(w, i) for i in stages), memory_gb=memory_gb,
                memory_parts=mems[worst].as_dict(), fits=memory_gb <= cluster.gpu_memory_gb,
-               comm_bytes=bytes_, bubble_fraction=(pp - 1) / m, time_parts=parts)
+               comm_bytes=bytes_, bubble_fraction=(pp - 1) / (num_chunks * m), time_parts=parts)
+
+
+def chunk_counts(num_layers: int, pp: int, num_microbatches: int) -> list[int]:
+    """The v (model chunks per rank) training accepts for a layout: 1, and where Megatron's rules allow interleaving
+    (PP > 1, m divisible by PP) every v > 1 that splits the layers evenly into p x v chunks."""
+    if pp == 1 or num_microbatches % pp:
+        return [1]
+    # n layers per virtual stage, v = layers / (p n) >= 2
+    return [1] + [num_layers // (pp * n) for n in range(num_layers // (2 * pp), 0, -1) if num_layers % (pp * n) == 0]
 
 
 def candidate_layouts(model: ModelConfig, cluster: Cluster, seq_length: int, global_batch_size: int,
                       micro_batch_sizes: list[int] | None = None):
-    """(tp, pp, micro) that training would accept: TP divides the heads, the MLP and the padded vocabulary (the
+    """(tp, pp, micro, v) that training would accept: TP divides the heads, the MLP and the padded vocabulary (the
     shards) and the node (TP stays on NVLink); PP <= layers; DP = world / (TP x PP) whole; the global batch
-    divides by micro x DP (a whole number of micro-batches per DP rank)."""
+    divides by micro x DP (a whole number of micro-batches per DP rank); v from ``chunk_counts``."""
     world = cluster.world_size
     for tp in range(1, cluster.gpus_per_node + 1):
         if (cluster.gpus_per_node % tp or model.num_attention_heads % tp or model.ffn_hidden_size % tp
@@ -315,7 +344,8 @@ def candidate_layouts(model: ModelConfig, cluster: Cluster, seq_length: int, glo
             micros = micro_batch_sizes or [1 << k for k in range(per_dp.bit_length()) if per_dp % (1 << k) == 0]
             for b in micros:
                 if per_dp % b == 0:
-                    yield tp, pp, b
+                    for v in chunk_counts(model.num_layers, pp, per_dp // b):
+                        yield tp, pp, b, v
 
 
 RECOMPUTES = (Recompute(), Recompute("selective"), Recompute.full())  # none, selective (core_attn), full
@@ -325,14 +355,15 @@ def rank_layouts(model: ModelConfig, cluster: Cluster, *, seq_length: int, globa
                  micro_batch_sizes: list[int] | None = None, dtype_bytes: int = 2,
                  recomputes: tuple[Recompute, ...] = RECOMPUTES,
                  sequence_parallel: tuple[bool, ...] = (False, True)) -> list[Row]:
-    """Every valid layout with each recompute choice, and with and without sequence parallelism where TP > 1
-    divides the sequence: fitting ones first ranked by estimated step time (``rank`` 1, 2, ...), then the ones that
-    do not fit, by memory."""
+    """Every valid layout (interleaved or not) with each recompute choice, and with and without sequence
+    parallelism where TP > 1 divides the sequence: fitting ones first ranked by estimated step time (``rank`` 1, 2,
+    ...), then the ones that do not fit, by memory."""
     model.validate()
     model.check_sequence_length(seq_length)
     rows = [estimate_layout(model, cluster, seq_length=seq_length, global_batch_size=global_batch_size, tp=tp,
-                            pp=pp, micro_batch_size=b, recompute=rc, sequence_parallel=sp, dtype_bytes=dtype_bytes)
-            for tp, pp, b in candidate_layouts(model, cluster, seq_length, global_batch_size, micro_batch_sizes)
+                            pp=pp, micro_batch_size=b, recompute=rc, sequence_parallel=sp, dtype_bytes=dtype_bytes,
+                            num_chunks=v)
+            for tp, pp, b, v in candidate_layouts(model, cluster, seq_length, global_batch_size, micro_batch_sizes)
             for sp in sequence_parallel if not sp or (tp > 1 and seq_length % tp == 0)
             for rc in recomputes]
     fit = sorted((r for r in rows if r.fits), key=lambda r: r.step_time)
@@ -343,7 +374,7 @@ def rank_layouts(model: ModelConfig, cluster: Cluster, *, seq_length: int, globa
 
 # ---------------------------------------------------------------------------------------------------- CLI
 
-COLUMNS = ("#", "TP", "PP", "DP", "micro", "m", "SP", "recompute", "layers", "mem GiB", "TP GB", "PP GB", "DP GB",
+COLUMNS = ("#", "TP", "PP", "v", "DP", "micro", "m", "SP", "recompute", "layers", "mem GiB", "TP GB", "PP GB", "DP GB",
            "emb GB", "bubble", "step s", "compute", "imbal", "bubble s", "tp s", "pp s", "dp s", "emb s")
 
 
@@ -351,7 +382,7 @@ def format_table(rows: list[Row]) -> str:
     def cells(r: Row) -> list[str]:
         gb = {g: f"{v / 1e9:.2f}" for g, v in r.comm_bytes.items()}
         t, layout, dims = r.time_parts, r.layout, r.layout.dims
-        return [str(r.rank or "-"), str(dims.tp_size), str(dims.pp_size), str(dims.dp_size),
+        return [str(r.rank or "-"), str(dims.tp_size), str(dims.pp_size), str(r.num_chunks), str(dims.dp_size),
                 str(layout.micro_batch_size), str(layout.num_microbatches),
                 "yes" if r.sequence_parallel else "no", r.recompute_name, r.split, f"{r.memory_gb:.1f}",
                 gb["tp"], gb["pp"], gb["dp"], gb["embedding"], f"{r.bubble_fraction:.2f}", f"{r.step_time:.2f}",
@@ -380,7 +411,7 @@ def _positive(kind):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m codegeex_train.accounting.planner",
-                description="Rank (TP, PP, DP, micro-batch, sequence parallelism, recompute) layouts by estimated "
+                description="Rank (TP, PP, v, DP, micro-batch, sequence parallelism, recompute) layouts by estimated "
                             "step time.")
     p.add_argument("--config", choices=sorted(PRESETS), help="a model + cluster preset; flags given override it")
     pint, pfloat = _positive(int), _positive(float)
@@ -393,6 +424,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--micro-batch-size", type=pint, nargs="+", help="candidates (default: powers of two)")
     m.add_argument("--tensor-model-parallel-size", type=pint, help="show only this TP (ranks stay global)")
     m.add_argument("--pipeline-model-parallel-size", type=pint, help="show only this PP")
+    m.add_argument("--num-layers-per-virtual-pipeline-stage", type=pint,
+                   help="show only interleaved 1F1B layouts with this many layers per model chunk (the column v "
+                        "is the chunks per rank: layers / (PP x this))")
     m.add_argument("--sequence-parallel", choices=("yes", "no"), help="show only layouts with / without SP")
     m.add_argument("--recompute-granularity", choices=("none", "selective", "full"),
                    help="show only this recompute choice (selective: core_attn)")
@@ -450,8 +484,9 @@ def main(argv: list[str] | None = None) -> None:
                 f"{values['global_batch_size']} admit no TP x PP x DP with a whole number of micro-batches")
     only_tp, only_pp = values.get("tensor_model_parallel_size"), values.get("pipeline_model_parallel_size")
     only_sp, only_rc = values.get("sequence_parallel"), values.get("recompute_granularity")
+    only_vpp = values.get("num_layers_per_virtual_pipeline_stage")
     shown = [r for r in rows if (args.all or r.fits) and only_tp in (None, r.layout.dims.tp_size)
-             and only_pp in (None, r.layout.dims.pp_size)
+             and only_pp in (None, r.layout.dims.pp_size) and only_vpp in (None, r.layers_per_virtual_stage)
              and only_sp in (None, "yes" if r.sequence_parallel else "no")
              and only_rc in (None, r.recompute_name)][:args.top]
     fitting = sum(r.fits for r in rows)
@@ -469,6 +504,11 @@ def main(argv: list[str] | None = None) -> None:
               f"{'yes' if smallest.sequence_parallel else 'no'} recompute {smallest.recompute_name}); see --all")
         return
     print(format_table(shown))
+    interleaved = sorted({(r.layout.dims.pp_size, r.num_chunks, r.layers_per_virtual_stage)
+                          for r in shown if r.num_chunks > 1})
+    if interleaved:
+        print("v > 1: interleaved 1F1B, trained with --num-layers-per-virtual-pipeline-stage N = layers / (PP x v): "
+              + ", ".join(f"PP {p} v {v}: N {n}" for p, v, n in interleaved))
 
 
 if __name__ == "__main__":

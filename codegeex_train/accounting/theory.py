@@ -5,17 +5,21 @@ mismatch.
 
 Notation (seed 000): b micro-batch, s sequence, h hidden, a heads, f MLP width (4h), V padded vocabulary, t/p/d the
 TP/PP/DP sizes, m micro-batches per step, e bytes per element of the compute dtype, phi = b*s*h*e; r = t under
-sequence parallelism (the LayerNorms, dropouts and residual adds hold s/t of the sequence), else 1.
+sequence parallelism (the LayerNorms, dropouts and residual adds hold s/t of the sequence), else 1; v model chunks
+per pipeline rank (interleaved 1F1B; 1 without it), chunk c of rank i being virtual stage c*p + i.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from codegeex_train.config.arguments import recompute_from_args
 from codegeex_train.config.model import ModelConfig
 from codegeex_train.config.recompute import Recompute
 from codegeex_train.distributed.layout import Layout
+from codegeex_train.pipeline.schedules import interleaved_one_f_one_b
+from codegeex_train.pipeline.stages import rank_chunk_layers
 
 
 @dataclass(frozen=True)
@@ -51,12 +55,20 @@ class Workload:
                    device=device)
 
     def __post_init__(self) -> None:
-        num_layers, pp = self.model.num_layers, self.layout.dims.pp_size
+        num_layers, pp, v = self.model.num_layers, self.layout.dims.pp_size, self.layout.num_chunks
         given = ranges = self.layout.stage_layers
+        chunks = self.layout.chunk_layers
+        if v > 1 and not chunks:  # interleaved: the even split into p·v virtual stages, as training makes it
+            chunks = tuple(rank_chunk_layers(num_layers, pp, v))
+        if v > 1 and (len(chunks) != pp or any(len(c) != v for c in chunks)):
+            raise ValueError(f"the Layout's chunk_layers give {[len(c) for c in chunks]} chunks per stage: "
+                             f"want {v} on each of the {pp} stages")
+        if v > 1 and not ranges:
+            ranges = tuple(tuple(i for chunk in rank for i in chunk) for rank in chunks)
         if not ranges and num_layers % pp == 0:  # even split by default
             n = num_layers // pp
             ranges = tuple(range(i * n, (i + 1) * n) for i in range(pp))
-        if len(ranges) != pp or [i for r in ranges for i in r] != list(range(num_layers)):
+        if len(ranges) != pp or sorted(i for r in ranges for i in r) != list(range(num_layers)):
             raise ValueError(f"{num_layers} layers do not split into {pp} pipeline stages as "
                              f"{list(given) or 'evenly'}: give the Layout's stage_layers, one range per stage, "
                              f"covering every layer once")
@@ -64,12 +76,13 @@ class Workload:
             raise ValueError(f"--sequence-parallel splits --seq-length {self.seq_length} over "
                              f"--tensor-model-parallel-size {self.tp_size}: not divisible")
         # frozen: set once, here, so that the formulas read the split from the layout alone
-        object.__setattr__(self, "layout", replace(self.layout, stage_layers=tuple(ranges)))
+        object.__setattr__(self, "layout", replace(self.layout, stage_layers=tuple(ranges), chunk_layers=chunks))
 
     # The sizes as Topology names them: the formulas' t, p, d.
     tp_size = property(lambda self: self.layout.dims.tp_size)
     pp_size = property(lambda self: self.layout.dims.pp_size)
     dp_size = property(lambda self: self.layout.dims.dp_size)
+    num_chunks = property(lambda self: self.layout.num_chunks)  # v
 
     @property
     def sp(self) -> bool:
@@ -90,14 +103,27 @@ class Workload:
     def last(self, pp_rank: int) -> bool:
         return pp_rank == self.pp_size - 1
 
+    def chunk_sizes(self, pp_rank: int) -> list[int]:
+        """Layers of each model chunk of stage ``pp_rank`` (one chunk, the stage, without interleaving)."""
+        return [len(c) for c in self.layout.rank_chunks(pp_rank)]
+
+    def first_chunk(self, pp_rank: int, chunk: int) -> bool:
+        """The first virtual stage (it embeds the ids): chunk 0 of the first stage."""
+        return self.first(pp_rank) and chunk == 0
+
+    def last_chunk(self, pp_rank: int, chunk: int) -> bool:
+        """The last virtual stage (final LayerNorm, top query layer, output layer, loss)."""
+        return self.last(pp_rank) and chunk == self.num_chunks - 1
+
     def top_query_on(self, pp_rank: int) -> bool:
         """Whether stage ``pp_rank`` runs the top query layer (the last one does, if the model has it)."""
         return self.last(pp_rank) and self.model.top_query_layer
 
     def describe(self) -> str:
         """The training options the formulas depend on, in words: for reports."""
+        interleaved = f", interleaved 1F1B with {self.num_chunks} chunks per rank" if self.num_chunks > 1 else ""
         return (f"sequence parallel {'on' if self.sp else 'off'}, recompute {self.recompute.describe()}, "
-                f"{'fused' if fused_attention(self) else 'unfused (s x s kept)'} attention")
+                f"{'fused' if fused_attention(self) else 'unfused (s x s kept)'} attention{interleaved}")
 
 
 # --------------------------------------------------------------------------------------------- parameters
@@ -171,9 +197,9 @@ def tp_bytes_per_microbatch(w: Workload, pp_rank: int = 0) -> dict[str, int]:
                   of phi becomes an all-gather plus a reduce-scatter of phi each (embedding: reduce-scatter forward,
                   all-gather backward; output layer: the reverse): the same bytes, 8 phi per layer.
     loss          the vocab-parallel cross entropy, fp32: row max, then (sum of exp, target logit): 24 b s.
-    recompute     full recompute re-runs the forward collectives of each recomputed layer: 4 phi (two all-reduces,
-                  or two all-gathers and two reduce-scatters); the top query layer's also re-gathers its queries
-                  under SP (5 phi). Selective recompute re-runs no collective.
+    recompute     full recompute re-runs the forward collectives of each recomputed layer (its units are per model
+                  chunk): 4 phi (two all-reduces, or two all-gathers and two reduce-scatters); the top query layer's
+                  also re-gathers its queries under SP (5 phi). Selective recompute re-runs no collective.
     sp_regather   SP only: a column-parallel linear keeps its input split and all-gathers it again in backward for
                   its weight gradient (phi each): QKV and h->4h per layer, query, key_value and h->4h in the top
                   query layer.
@@ -196,9 +222,10 @@ def tp_bytes_per_microbatch(w: Workload, pp_rank: int = 0) -> dict[str, int]:
     if w.last(pp_rank):
         terms["activations"] += 2 * phi  # output layer (tied word table)
         terms["loss"] = 2 * (b * s * 4) + 2 * (2 * b * s * 4)
-    recomputed = sum(len(unit) for unit in w.recompute.full_units(layers))
+    sizes = w.chunk_sizes(pp_rank)  # full recompute's units are per model chunk
+    recomputed = sum(len(unit) for n in sizes for unit in w.recompute.full_units(n))
     terms["recompute"] = recomputed * 4 * phi
-    if top_query and w.recompute.covers_top_query_layer(layers):
+    if top_query and w.recompute.covers_top_query_layer(sizes[-1]):
         terms["recompute"] += 4 * phi + (phi if w.sp else 0)
     if w.sp:
         terms["sp_regather"] = layers * 2 * phi + (3 * phi if top_query else 0)
@@ -208,14 +235,20 @@ def tp_bytes_per_microbatch(w: Workload, pp_rank: int = 0) -> dict[str, int]:
 
 def comm_bytes_per_step(w: Workload, pp_rank: int = 0) -> dict[str, int]:
     """Bytes one rank of stage ``pp_rank`` moves per optimizer step, by group, counted as in
-    ``accounting.counter`` (an all-reduce of N bytes moves 2N; p2p counts what this rank sends)."""
+    ``accounting.counter`` (an all-reduce of N bytes moves 2N; p2p counts what this rank sends).
+
+    pp: each micro-batch's forward of each of the v chunks sends its output on and its backward sends its input
+    gradient back, except that the last virtual stage (the last stage's last chunk) ends in the loss and the first
+    (the first stage's chunk 0) starts from the ids: (2 m v - m [first stage] - m [last stage]) x phi, phi / t under
+    SP ((b, s/t, h)). v = 1 is 1F1B's 2m, m at either end."""
     m = w.model
     b, s, h, e = w.layout.micro_batch_size, w.seq_length, m.hidden_size, w.dtype_bytes
     phi = b * s * h * e
     out = dict.fromkeys(GROUPS, 0)
     out["tp"] = w.layout.num_microbatches * sum(tp_bytes_per_microbatch(w, pp_rank).values())
     if w.pp_size > 1:
-        sends = (0 if w.last(pp_rank) else 1) + (0 if w.first(pp_rank) else 1)  # activations down, grads up
+        v = w.num_chunks
+        sends = (v - w.last(pp_rank)) + (v - w.first(pp_rank))  # activations down, gradients up, per micro-batch
         out["pp"] = w.layout.num_microbatches * sends * phi // (w.tp_size if w.sp else 1)  # SP: (b, s/t, h)
     grad_bytes = 4 if w.dtype_bytes == 4 else w.dtype_bytes  # ZeRO reduces gradients in the param dtype
     tied = m.padded_vocab_size // w.tp_size * h * 4  # fp32 full gradient of the word table
@@ -336,36 +369,41 @@ def layer_activation_bytes(w: Workload, top_query: bool = False) -> dict[str, in
     }
 
 
-def activation_parts(w: Workload, pp_rank: int = 0) -> dict[str, int]:
+def activation_parts(w: Workload, pp_rank: int = 0, chunk: int | None = None) -> dict[str, int]:
     """What one rank of stage ``pp_rank`` keeps for one micro-batch's backward, by part: ``layers`` (the stage's
     regular layers), ``top_query_layer``, ``embedding`` (first stage), ``output`` (last stage: final LayerNorm,
-    output layer, loss)."""
+    output layer, loss). ``chunk``: the forward of that model chunk alone (interleaved 1F1B: its 1/v of the stage's
+    layers, the embedding in the first virtual stage, the rest in the last); None: every chunk of the stage."""
+    if chunk is None:
+        per_chunk = [activation_parts(w, pp_rank, c) for c in range(w.num_chunks)]
+        return {k: sum(parts[k] for parts in per_chunk) for k in per_chunk[0]}
     m = w.model
     b, s, h, e, t = w.layout.micro_batch_size, w.seq_length, m.hidden_size, w.dtype_bytes, w.tp_size
     r = t if w.sp else 1
     sbh = s * b * h
-    layers = w.layers_on(pp_rank)
+    layers = w.chunk_sizes(pp_rank)[chunk]
+    first, last = w.first_chunk(pp_rank, chunk), w.last_chunk(pp_rank, chunk)
     layer = sum(layer_activation_bytes(w).values())
     units = w.recompute.full_units(layers)
     recomputed = sum(len(u) for u in units)
     parts = {"layers": (layers - recomputed) * layer + len(units) * e * sbh // r,
              "top_query_layer": 0, "embedding": 0, "output": 0}
-    if w.top_query_on(pp_rank):
+    if last and m.top_query_layer:
         if w.recompute.covers_top_query_layer(layers):
             parts["top_query_layer"] = 2 * e * sbh // r  # the unit's inputs: hidden states and queries
         else:
             parts["top_query_layer"] = sum(layer_activation_bytes(w, top_query=True).values())
     ids = 8 * b * s  # int64 token or position ids
-    if w.first(pp_rank):
+    if first:
         # token ids (TP: the local ids and the out-of-range mask), position ids, the embedding dropout mask
         parts["embedding"] = ids + (b * s if t > 1 else 0) + ids + _mask_bytes(w, m.hidden_dropout) * sbh // r
-    if w.last(pp_rank):
+    if last:
         final_layernorm = e * sbh // r + 2 * 4 * s * b // r
         logits_input = e * sbh  # all-gathered under SP
         # exp(logits); the sum of exp (under TP a view of the all-reduced (sum, target logit) pair), local target
         # ids, two masks
         loss = 4 * b * s * m.padded_vocab_size // t + ((8 if t > 1 else 4) + 8 + 1 + 1) * b * s
-        positions = ids if m.top_query_layer and not w.first(pp_rank) else 0  # the top query lookup's
+        positions = ids if m.top_query_layer and not first else 0  # the top query lookup's
         parts["output"] = final_layernorm + logits_input + loss + positions
     return parts
 
@@ -376,29 +414,53 @@ def activation_bytes_per_microbatch(w: Workload, pp_rank: int = 0) -> int:
     return sum(activation_parts(w, pp_rank).values())
 
 
+def chunk_activation_bytes(w: Workload, pp_rank: int = 0) -> list[int]:
+    """``activation_bytes_per_microbatch`` by model chunk: what one micro-batch's forward of each chunk keeps."""
+    return [sum(activation_parts(w, pp_rank, c).values()) for c in range(w.num_chunks)]
+
+
 def recompute_working_bytes(w: Workload, pp_rank: int = 0) -> int:
     """What recomputation rebuilds in backward, transiently, on top of the saved activations: under full recompute
-    the largest unit's activations (one unit at a time), under selective the dropped parts of one layer."""
-    layers, rc = w.layers_on(pp_rank), w.recompute
+    the largest unit's activations (one unit at a time; units are per model chunk), under selective the dropped
+    parts of one layer."""
+    sizes, rc = w.chunk_sizes(pp_rank), w.recompute
     top_query = w.top_query_on(pp_rank)
     if rc.is_full:
         kept = replace(w, recompute=Recompute())
         layer = sum(layer_activation_bytes(kept).values())
-        sizes = [len(u) * layer for u in rc.full_units(layers)]
-        if top_query and rc.covers_top_query_layer(layers):
-            sizes.append(sum(layer_activation_bytes(kept, top_query=True).values()))
-        return max(sizes, default=0)
-    if rc.granularity == "selective" and (layers or top_query):
+        units = [len(u) * layer for n in sizes for u in rc.full_units(n)]
+        if top_query and rc.covers_top_query_layer(sizes[-1]):
+            units.append(sum(layer_activation_bytes(kept, top_query=True).values()))
+        return max(units, default=0)
+    if rc.granularity == "selective" and (any(sizes) or top_query):
         kept = replace(w, recompute=Recompute())
         dropped = [sum(layer_activation_bytes(kept, q).values()) - sum(layer_activation_bytes(w, q).values())
-                   for q in ([False] if layers else []) + ([True] if top_query else [])]
+                   for q in ([False] if any(sizes) else []) + ([True] if top_query else [])]
         return max(dropped)
     return 0
 
 
 def microbatches_in_flight(w: Workload, pp_rank: int) -> int:
-    """1F1B: stage i holds the activations of at most p - i micro-batches at once."""
-    return min(w.pp_size - pp_rank, w.layout.num_microbatches)
+    """1F1B: stage i holds the activations of at most p - i micro-batches at once. Interleaved (v > 1): at most
+    min(2(p - i - 1) + (v - 1)p + 1, m v) (micro-batch, chunk) pairs, its warm-up plus one (pipeline/schedules.py)."""
+    p, m, v = w.pp_size, w.layout.num_microbatches, w.num_chunks
+    if v == 1:
+        return min(p - pp_rank, m)
+    return min(2 * (p - pp_rank - 1) + (v - 1) * p + 1, m * v)
+
+
+def activations_in_flight(per_chunk: Sequence[int], pp_size: int, pp_rank: int, num_microbatches: int) -> int:
+    """The most activation bytes a rank holds at once, ``per_chunk[c]`` being what one micro-batch's forward of its
+    chunk c keeps: its (interleaved) 1F1B schedule replayed, each forward adding its chunk's bytes and each backward
+    freeing them. One chunk: its bytes x min(p - i, m); v chunks: the largest sum over the at most
+    ``microbatches_in_flight`` pairs held together (the first and last stages' end chunks are the heavier ones)."""
+    if len(per_chunk) == 1:
+        return per_chunk[0] * min(pp_size - pp_rank, num_microbatches)
+    held = peak = 0
+    for step in interleaved_one_f_one_b(pp_size, pp_rank, num_microbatches, len(per_chunk)):
+        held += per_chunk[step.chunk] if step.kind == "F" else -per_chunk[step.chunk]
+        peak = max(peak, held)
+    return peak
 
 
 @dataclass
@@ -428,7 +490,8 @@ def memory_per_rank(w: Workload, pp_rank: int = 0) -> MemoryParts:
     """ZeRO-2 under DeepSpeed: weights whole in the compute dtype; an fp32 master copy, Adam's two moments and
     the gradient, each partitioned over DP (1/d); the gradient bucket of reduce_bucket_size elements (the
     largest parameter when bigger; at most the stage's parameters) and, with DP > 1, the all-gather staging;
-    the saved activations of the micro-batches in flight and what recomputation rebuilds on top of them."""
+    the saved activations of the micro-batches (interleaved: (micro-batch, chunk) pairs) in flight and what
+    recomputation rebuilds on top of them."""
     psi = stage_parameters(w, pp_rank)
     e, d = w.dtype_bytes, w.dp_size
     if w.zero_stage == 0:
@@ -441,7 +504,8 @@ def memory_per_rank(w: Workload, pp_rank: int = 0) -> MemoryParts:
     # measured): at least the largest one, which for small models (the word table) exceeds Psi/d.
     gradients = 4 * max(shard, largest_parameter(w, pp_rank) if d > 1 else 0) if w.zero_stage >= 2 else 4 * psi
     bucket = min(w.reduce_bucket_size, psi) * e
-    activations = activation_bytes_per_microbatch(w, pp_rank) * microbatches_in_flight(w, pp_rank)
+    activations = activations_in_flight(chunk_activation_bytes(w, pp_rank), w.pp_size, pp_rank,
+                                        w.layout.num_microbatches)
     return MemoryParts(weights=psi * e, gradients=gradients, optimizer=optimizer, buffers=bucket,
                        activations=activations, recompute=recompute_working_bytes(w, pp_rank),
                        notes={"parameters": psi, "partition": shard})
@@ -449,6 +513,11 @@ def memory_per_rank(w: Workload, pp_rank: int = 0) -> MemoryParts:
 
 def _gib(n: int) -> str:
     return f"{n / 2**30:.3f} GiB" if n >= 2**27 else f"{n / 2**20:.1f} MiB"
+
+
+def _in_flight(w: Workload, pp_rank: int) -> str:
+    n = microbatches_in_flight(w, pp_rank)
+    return f"{n} micro-batch(es)" if w.num_chunks == 1 else f"up to {n} (micro-batch, chunk) pairs"
 
 
 def expected_memory_report(w: Workload) -> str:
@@ -463,7 +532,7 @@ def expected_memory_report(w: Workload) -> str:
         rebuilt = f", recompute {_gib(parts.recompute)} (rebuilt in backward)" if parts.recompute else ""
         lines.append(f"{stage}weights {_gib(parts.weights)}, gradients {_gib(parts.gradients)}, optimizer "
                      f"{_gib(parts.optimizer)}, buffers {_gib(parts.buffers)}, activations {_gib(parts.activations)}"
-                     f" ({microbatches_in_flight(w, pp_rank)} micro-batch(es) in flight){rebuilt}: total "
+                     f" ({_in_flight(w, pp_rank)} in flight){rebuilt}: total "
                      f"{_gib(parts.total)}; per step moves "
                      + ", ".join(f"{g} {_gib(n)}" for g, n in comm.items() if n))
         if w.sp or w.recompute.is_full:

@@ -4,7 +4,11 @@
     DIR/<tag>/mp_rank_{MP:02d}_model_states.pt  MP = pp_rank * tp_size + tp_rank
         {"module": that rank's state_dict,
          "codegeex_train": {"model_config": asdict(config), "tp_size", "pp_size", "iteration",
+                            "num_chunks": v, the model chunks per rank of interleaved 1F1B (optional, 1),
                             "tokenizer": the five tokenizer flags, file paths absolute (optional)}}
+
+Under interleaved 1F1B a rank's file holds all of its chunks' layers under their global names, so it is named and
+read like any stage's; only which layers it holds depends on v (``saved_num_chunks``).
 
 ``tokenizer`` (``tokenizer_settings``) is written by training checkpoints (and copied into universal ones); model
 files converted from elsewhere may lack it. ``checkpoint_tokenizer`` picks what a tool uses: its own tokenizer flags
@@ -162,12 +166,13 @@ def checkpoint_tokenizer(directory: str | os.PathLike, meta: dict, flags: dict) 
 
 def save_model_checkpoint(directory: str | os.PathLike, shard_sds: list[dict], config: ModelConfig, tp_size: int,
                           *, pp_size: int = 1, tag: str = "iter_0000000", iteration: int = 0,
-                          tokenizer: dict | None = None) -> Path:
+                          tokenizer: dict | None = None, num_chunks: int = 1) -> Path:
     """Write one file per model-parallel rank (``shard_sds`` in MP order), then ``latest``; ``tokenizer``: the
     settings to record (``tokenizer_settings``), if known."""
     if len(shard_sds) != tp_size * pp_size:
         raise ValueError(f"{len(shard_sds)} shards for TP {tp_size} x PP {pp_size}")
-    meta = {"model_config": dataclasses.asdict(config), "tp_size": tp_size, "pp_size": pp_size, "iteration": iteration}
+    meta = {"model_config": dataclasses.asdict(config), "tp_size": tp_size, "pp_size": pp_size, "iteration": iteration,
+            "num_chunks": num_chunks}
     if tokenizer is not None:
         meta["tokenizer"] = tokenizer
     for mp_rank, sd in enumerate(shard_sds):
@@ -237,8 +242,17 @@ def _load(path: Path, mmap: bool = False) -> dict:
         if type(value) is not int or value < (k != "iteration"):
             raise CheckpointError(f"{path}: unreadable {META_KEY!r} metadata ({k} is {type_name(value)}; "
                                   f"tp_size, pp_size >= 1 and iteration >= 0 must be integers)")
+    chunks = meta.get("num_chunks", 1)
+    if type(chunks) is not int or chunks < 1:
+        raise CheckpointError(f"{path}: unreadable {META_KEY!r} metadata (num_chunks is {type_name(chunks)}; it "
+                              f"must be an integer >= 1)")
     model_config_from(meta.get("model_config"), f"{path}: {META_KEY!r} metadata", meta["tp_size"])  # as when saved
     return state
+
+
+def saved_num_chunks(meta: dict) -> int:
+    """v of the run that saved ``meta`` (1: plain 1F1B, or saved before interleaving existed)."""
+    return meta.get("num_chunks", 1)
 
 
 def read_checkpoint_meta(directory: str | os.PathLike) -> tuple[str, dict]:

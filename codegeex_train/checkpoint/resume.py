@@ -40,6 +40,7 @@ from codegeex_train.checkpoint.files import (
     load_model_checkpoint,
     read_checkpoint_meta,
     read_latest,
+    saved_num_chunks,
     type_name,
 )
 from codegeex_train.checkpoint.safe_load import verify_checkpoint_dir
@@ -117,7 +118,7 @@ def _saved_dp_size(load_dir: str, tag: str) -> int:
 
 
 def preflight_resume(load_dir: str, config: ModelConfig, dims: ParallelDims, *, finetune: bool = False,
-                     load_optim: bool = True, load_rng: bool = True) -> Resume:
+                     load_optim: bool = True, load_rng: bool = True, num_chunks: int = 1) -> Resume:
     """Check ``--load`` before any process group: a complete checkpoint of this model shape, saved at this
     run's TP / PP / DP sizes, or a universal one (any layout), or model weights at this TP / PP size. The DP size
     matters only when the ZeRO optimizer partitions are loaded (not under ``finetune`` or without ``load_optim``)."""
@@ -141,20 +142,22 @@ def preflight_resume(load_dir: str, config: ModelConfig, dims: ParallelDims, *, 
             check_training_files(load_dir, tag, meta["tp_size"] * meta["pp_size"], optimizer=load_optim)
         except CheckpointError as e:
             raise ConfigError(f"--load {load_dir}: {e}") from None
-    saved = {"TP": meta["tp_size"], "PP": meta["pp_size"]}
+    # v: each rank's file holds its chunks' layers, which v changes
+    saved = {"TP": meta["tp_size"], "PP": meta["pp_size"], "virtual pipeline chunks per rank": saved_num_chunks(meta)}
     if kind is ResumeKind.TRAINING and load_optim and not finetune:
         saved["DP"] = _saved_dp_size(load_dir, tag)
-    ours = {"TP": dims.tp_size, "PP": dims.pp_size, "DP": dims.dp_size}
+    ours = {"TP": dims.tp_size, "PP": dims.pp_size, "DP": dims.dp_size, "virtual pipeline chunks per rank": num_chunks}
     diff = [k for k in saved if saved[k] != ours[k]]
     if diff:
         layout = ", ".join(f"{k} {saved[k]} (this run {ours[k]})" for k in diff)
         hint = _TO_UNIVERSAL.format(d=load_dir) if "DP" in saved else (
-            "tools/convert_checkpoint.py re-shards these model weights to another TP and PP size")
+            "tools/convert_checkpoint.py re-shards these model weights to another TP and PP size (and "
+            "--num-layers-per-virtual-pipeline-stage)")
         raise ConfigError(f"--load {load_dir} ({tag}) was saved at another parallel layout: {layout}; {hint}")
     return Resume(load_dir, tag, kind, meta, **flags)
 
 
-def preflight_load(train: TrainConfig, config: ModelConfig, dims: ParallelDims) -> Resume | None:
+def preflight_load(train: TrainConfig, config: ModelConfig, dims: ParallelDims, num_chunks: int = 1) -> Resume | None:
     """What this run starts from, checked before any process group: None (a fresh start), or ``--load`` with
     what to restore of it (--finetune, --no-load-optim, --no-load-rng); under --finetune, --save instead when it
     already holds a checkpoint (a relaunch). Nonsense combinations raise ConfigError naming the flags."""
@@ -172,12 +175,12 @@ def preflight_load(train: TrainConfig, config: ModelConfig, dims: ParallelDims) 
             raise ConfigError(f"--finetune with --save {t.save} equal to --load: a relaunch resumes from --save, so "
                               f"this run could never start from --load's weights; save to another directory")
         if os.path.isfile(os.path.join(t.save, "latest")):  # a relaunch: continue this run, in full
-            resume = preflight_resume(t.save, config, dims)
+            resume = preflight_resume(t.save, config, dims, num_chunks=num_chunks)
             return dataclasses.replace(resume, note=(
                 f"--finetune: --save {t.save} already holds a checkpoint ({resume.tag}); resuming from it instead "
                 f"of starting over from --load {t.load} (empty --save to start the fine-tuning afresh)"))
     return preflight_resume(t.load, config, dims, finetune=t.finetune, load_optim=not t.no_load_optim,
-                            load_rng=not t.no_load_rng)
+                            load_rng=not t.no_load_rng, num_chunks=num_chunks)
 
 
 def restore(resume: Resume | None, model: torch.nn.Module, topology: Topology, tracker: RNGStatesTracker,

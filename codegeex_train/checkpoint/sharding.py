@@ -9,6 +9,7 @@ tags (a test checks the two agree).
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 import torch
 
@@ -78,14 +79,17 @@ _LAST_STAGE_PREFIXES = ("word_embeddings.", "final_layernorm.", "top_query_embed
 _LAYER_NAME = re.compile(r"layers\.(\d+)\.")
 
 
-def _check_stage_layers(stage_layers: list[range], num_layers: int) -> None:
-    # Stage models name layers globally, so the ranges must tile 0..num_layers-1 in order, or names go missing.
-    if not stage_layers or [i for r in stage_layers for i in r] != list(range(num_layers)):
-        raise ValueError(f"stage layer ranges {[(r.start, r.stop) for r in stage_layers]} do not cover layers "
-                         f"0..{num_layers - 1} (--num-layers {num_layers}) in order, each once")
+def _check_stage_layers(stage_layers: list[Sequence[int]], num_layers: int) -> None:
+    # Stage models name layers globally, so the stages must hold 0..num_layers-1 between them, each layer once, or
+    # names go missing; the first stage (the embedding) starts the stack, the last (the head) ends it. (A stage's
+    # layers are one range, or several chunks' under interleaved 1F1B.)
+    if (not stage_layers or sorted(i for r in stage_layers for i in r) != list(range(num_layers))
+            or 0 not in stage_layers[0] or num_layers - 1 not in stage_layers[-1]):
+        raise ValueError(f"stage layers {[list(r) for r in stage_layers]} do not cover layers 0..{num_layers - 1} "
+                         f"(--num-layers {num_layers}) each once, from the first stage to the last")
 
 
-def stages_of_name(name: str, stage_layers: list[range]) -> list[int]:
+def stages_of_name(name: str, stage_layers: list[Sequence[int]]) -> list[int]:
     """The pipeline stages (indices into ``stage_layers``) whose model has parameter ``name``."""
     last = len(stage_layers) - 1
     match = _LAYER_NAME.match(name)
@@ -99,7 +103,7 @@ def stages_of_name(name: str, stage_layers: list[range]) -> list[int]:
 
 
 def split_pipeline_stages(full_sd: dict[str, torch.Tensor], config: ModelConfig,
-                          stage_layers: list[range]) -> list[dict[str, torch.Tensor]]:
+                          stage_layers: list[Sequence[int]]) -> list[dict[str, torch.Tensor]]:
     """The TP=1 state dict -> one state dict per pipeline stage, with exactly the names of
     ``CodeGeeXModel(pre_process=i == 0, post_process=i == last, layer_numbers=stage_layers[i])``.
 
@@ -118,7 +122,7 @@ def split_pipeline_stages(full_sd: dict[str, torch.Tensor], config: ModelConfig,
 
 
 def split_model_parallel(full_sd: dict[str, torch.Tensor], config: ModelConfig, tp_size: int,
-                         stage_layers: list[range]) -> list[dict[str, torch.Tensor]]:
+                         stage_layers: list[Sequence[int]]) -> list[dict[str, torch.Tensor]]:
     """The TP=1 state dict -> one state dict per model-parallel rank, in checkpoint (MP) order:
     ``pp_rank * tp_size + tp_rank``, each a copy."""
     return [shard for stage in split_pipeline_stages(full_sd, config, stage_layers)

@@ -200,7 +200,7 @@ def _fail_save(save_dir: str, tag: str, rank: int, failure: tuple[str, str], fai
 
 
 def save_checkpoint(engine, save_dir: str, state: TrainState, config: ModelConfig, topology: Topology,
-                    tracker: RNGStatesTracker, *, tokenizer: dict | None = None) -> str:
+                    tracker: RNGStatesTracker, *, tokenizer: dict | None = None, num_chunks: int = 1) -> str:
     """``tokenizer``: the run's tokenizer settings (``files.tokenizer_settings``), recorded for the tools.
 
     A failed write on any rank ends the save on every rank with :class:`CheckpointSaveError` (one ``error:``
@@ -208,7 +208,7 @@ def save_checkpoint(engine, save_dir: str, state: TrainState, config: ModelConfi
     tag = checkpoint_tag(state.iteration)
     state = dataclasses.replace(state, rng=rng_state(tracker))
     meta = {"model_config": dataclasses.asdict(config), "tp_size": topology.tp_size, "pp_size": topology.pp_size,
-            "iteration": state.iteration, "train_state": dataclasses.asdict(state)}
+            "iteration": state.iteration, "train_state": dataclasses.asdict(state), "num_chunks": num_chunks}
     if tokenizer is not None:
         meta["tokenizer"] = tokenizer
     safe = install_checkpoint_engine(engine)

@@ -20,7 +20,15 @@ from codegeex_train.config.recompute import Recompute
 from codegeex_train.config.options import FlagParser, add_foreign_flags, build_parser, dataclass_from_args, option
 from codegeex_train.distributed.layout import Layout
 from codegeex_train.distributed.topology import ParallelConfigError, ParallelDims
-from codegeex_train.pipeline.stages import PipelineSplitError, stage_layer_ranges
+from codegeex_train.pipeline.stages import (
+    PipelineSplitError,
+    rank_chunk_layers,
+    stage_layer_ranges,
+    virtual_pipeline_size,
+)
+
+
+HUMANEVAL_LANGUAGES = ("python", "cpp", "java", "js", "go")  # evaluation/languages.py's, checked by a test
 
 
 class ConfigError(ValueError):
@@ -39,6 +47,10 @@ class ParallelConfig:
                                                            "split evenly over the others")
     decoder_last_pipeline_num_layers: int | None = option(None, "layers on the last pipeline stage (it also holds "
                                                           "the final LayerNorm, top query layer and output layer)")
+    num_layers_per_virtual_pipeline_stage: int | None = option(
+        None, "interleaved 1F1B: layers per virtual pipeline stage N; each rank holds v = layers / (PP x N) model "
+        "chunks, shrinking the bubble to about (PP - 1) / (v x micro-batches) for v times the point-to-point "
+        "traffic. Needs PP > 1 and micro-batches per step divisible by PP")
     sequence_parallel: bool = option(False, "Megatron's sequence parallelism (TP > 1): the activations between the "
                                      "TP regions (LayerNorms, dropouts, residual adds) are split along the sequence "
                                      "over the TP group; same bytes as TP, about 1/TP of their memory. "
@@ -97,6 +109,17 @@ class TrainConfig:
                                                  "--eval-humaneval-tasks problems (PP 1)")
     eval_humaneval_tasks: int = option(20, "HumanEval problems scored by --eval-humaneval-interval")
     eval_humaneval_max_new_tokens: int = option(128, "tokens generated per problem by --eval-humaneval-interval")
+    eval_humaneval_languages: tuple[str, ...] = option(
+        ("python",), "the languages --eval-humaneval-interval scores, each on its first --eval-humaneval-tasks "
+        "problems: python (HumanEval; humaneval_pass@1) and HumanEval-X's cpp, java, js, go "
+        "(humaneval_<lang>_pass@1; their compilers: make humaneval-x-deps)")
+    eval_humaneval_problems: str | None = option(None, "HumanEval-X problems for --eval-humaneval-languages: a "
+                                                 "directory laid out as the CodeGeeX repository's "
+                                                 "codegeex/benchmark/humaneval-x (default: python's shipped "
+                                                 "HumanEval, THUDM/humaneval-x from the Hugging Face hub)")
+    unsafe_no_sandbox: bool = option(False, "run --eval-humaneval-interval's samples without bubblewrap (no kernel "
+                                     "isolation: the model's code can read and write what this user can); the "
+                                     "humaneval records then say \"sandbox\": \"none (--unsafe-no-sandbox)\"")
     deepspeed_config: str | None = option(None, "a DeepSpeed JSON to start from; the flags fill in and must "
                                           "agree with batch sizes, clipping, precision and ZeRO stage")
     zero_stage: int = option(2, "DeepSpeed ZeRO stage", choices=(0, 1, 2))
@@ -280,8 +303,21 @@ def validate(args: Args, world_size: int) -> Layout:
         stage_layers = tuple(stage_layer_ranges(args.model.num_layers, dims.pp_size,
                                                 p.decoder_first_pipeline_num_layers,
                                                 p.decoder_last_pipeline_num_layers))
+        num_chunks = virtual_pipeline_size(args.model.num_layers, dims.pp_size,
+                                           p.num_layers_per_virtual_pipeline_stage,
+                                           p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers)
     except PipelineSplitError as e:
         raise ConfigError(str(e)) from None
+    chunk_layers = ()
+    if num_chunks > 1:
+        if num_microbatches % dims.pp_size:
+            raise ConfigError(
+                f"interleaved 1F1B (--num-layers-per-virtual-pipeline-stage) needs the micro-batches per step "
+                f"({num_microbatches} = --global-batch-size {global_batch} / (--micro-batch-size "
+                f"{t.micro_batch_size} x DP {dims.dp_size})) divisible by --pipeline-model-parallel-size "
+                f"{dims.pp_size}: use a global batch that gives a multiple of {dims.pp_size}")
+        chunk_layers = tuple(rank_chunk_layers(args.model.num_layers, dims.pp_size, num_chunks))
+        stage_layers = tuple(tuple(i for chunk in chunks for i in chunk) for chunks in chunk_layers)
     if dims.pp_size > 1 and t.zero_stage == 0:
         # Without ZeRO, DeepSpeed's own clipping does not skip the tied copy (measured: 3e-5 off by step 4).
         raise ConfigError(f"--pipeline-model-parallel-size {dims.pp_size} needs --zero-stage 1 or 2 (the stages' "
@@ -332,10 +368,14 @@ def validate(args: Args, world_size: int) -> Layout:
                 or t.eval_humaneval_max_new_tokens < 1):
             raise ConfigError("--eval-humaneval-interval must be >= 1, --eval-humaneval-tasks within 1..164 and "
                               "--eval-humaneval-max-new-tokens >= 1")
+        unknown = [lang for lang in t.eval_humaneval_languages if lang not in HUMANEVAL_LANGUAGES]
+        if unknown:
+            raise ConfigError(f"--eval-humaneval-languages {' '.join(unknown)}: expected some of "
+                              f"{' '.join(HUMANEVAL_LANGUAGES)}")
         if dims.pp_size > 1:
             raise ConfigError(f"--eval-humaneval-interval needs --pipeline-model-parallel-size 1 (generation runs on "
                               f"one stage); this run has {dims.pp_size}: evaluate its checkpoints with "
                               f"tools/evaluate_humaneval.py after gathering them to PP 1")
     if t.load is not None and not os.path.isdir(t.load):
         raise ConfigError(f"--load {t.load}: no such directory")
-    return Layout(dims, t.micro_batch_size, num_microbatches, stage_layers)
+    return Layout(dims, t.micro_batch_size, num_microbatches, stage_layers, num_chunks, chunk_layers)

@@ -59,7 +59,8 @@ PRETRAIN: dict[str, ForeignFlag] = {
     **_same("--num-layers --hidden-size --num-attention-heads --ffn-hidden-size --max-position-embeddings "
             "--make-vocab-size-divisible-by --hidden-dropout --attention-dropout --init-method-std "
             "--tensor-model-parallel-size --pipeline-model-parallel-size --decoder-first-pipeline-num-layers "
-            "--decoder-last-pipeline-num-layers --distributed-timeout-minutes --micro-batch-size "
+            "--decoder-last-pipeline-num-layers --num-layers-per-virtual-pipeline-stage --distributed-timeout-minutes "
+            "--micro-batch-size "
             "--global-batch-size --seq-length --seed --bf16 --checkpoint-activations --sequence-parallel "
             "--recompute-granularity --recompute-method --recompute-num-layers --save --load "
             "--save-interval --eval-interval --exit-interval --exit-signal-handler --exit-duration-in-mins "
@@ -111,8 +112,9 @@ PRETRAIN: dict[str, ForeignFlag] = {
     **_refused("--fp8-*", "--bf16 or --fp16", "no FP8 training (no Transformer Engine)"),
     **_refused("--transformer-impl --use-mcore-models --use-legacy-models", DROP,
                "one model implementation (CodeGeeX's, plain PyTorch), neither Megatron Core's nor Megatron's legacy"),
-    **_refused("--num-layers-per-virtual-pipeline-stage --num-virtual-stages-per-pipeline-rank",
-               "--pipeline-model-parallel-size (plain 1F1B)", "not yet: no interleaved (virtual) pipeline stages"),
+    "--num-virtual-stages-per-pipeline-rank": ForeignFlag(
+        REFUSED, "--num-layers-per-virtual-pipeline-stage (layers / (PP x v))",
+        "interleaving is set by layers per virtual stage, Megatron's older flag"),
     **_refused("--deepspeed-activation-checkpointing --partition-activations --checkpoint-in-cpu",
                "--recompute-granularity", "DeepSpeed's activation checkpointing is not used (ours recomputes "
                "whole layers or selected parts)"),

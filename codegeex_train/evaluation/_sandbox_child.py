@@ -1,25 +1,18 @@
-"""The first code a sandboxed sample's fresh interpreter runs.
+"""The first code a sample's fresh interpreter runs, inside the sandbox (or, unsafe, without one).
 
-The harness (``sandbox.py``) starts ``python -I -B -S -c <this file's source>`` in a new session, with a fresh
-scratch directory as its working directory, a minimal environment and a pipe to report success on; it sends
-one marshalled dict on stdin: the program to run and the guards to put up. Before any of the program's code runs,
-this bootstrap, in order:
+The harness (``sandbox.py``) starts ``python -I -B -S -c <this file's source>`` with the scratch directory as
+its working directory and a pipe to report success on, and gives it one marshalled dict on stdin. Before any of
+the sample's code runs, this bootstrap, in order:
 
-1. sets hard resource limits (address space, CPU seconds, file size, open files, processes, no core files);
-2. moves into a new network namespace (no interface up, not even loopback): ``unshare(CLONE_NEWNET)`` as
-   root, ``unshare(CLONE_NEWUSER | CLONE_NEWNET)`` otherwise (needs unprivileged user namespaces);
-3. as root: becomes the sandbox's own unprivileged uid/gid (no supplementary groups), keeping only
-   CAP_DAC_READ_SEARCH, so it can still read (the interpreter's stdlib may live under a 0700 /root) but the
-   kernel refuses every write its uid may not do; then ``no_new_privs`` and a parent-death SIGKILL;
-4. installs Python-level guards: no process creation (fork, exec, spawn, subprocess, os.system), no signals
-   to other processes, no new session, no sockets, no ctypes, and no file removal, renaming, permission
-   change or opening for write outside the scratch directory;
-5. runs the program; only if it returns normally does it write the harness's one-time token to the pipe.
+1. sets hard resource limits (address space, CPU seconds, file size, open files, processes, no core files):
+   bubblewrap has no option for them, and set here they hold for everything the sample starts;
+2. writes the job's files into the scratch directory;
+3. for a command (a compiled language's build and run): becomes it (``execvp``), and its exit status decides;
+4. for a Python program: installs the Python-level guards when asked (defence in depth only: they can be undone
+   from Python; the kernel's isolation is what holds), runs the program, and only if it returns normally
+   writes the harness's one-time token to the pipe (``sys.exit(0)`` before the tests finish is a failure).
 
-Nothing here imports codegeex_train: it runs in a bare interpreter. It is a best-effort guard against
-generated code that misbehaves by accident (loops, runaway memory, forks, ``rm``), not a security boundary
-against code written to escape: the Python-level guards can be undone from Python. What the kernel enforces
-(limits, namespaces, the uid) cannot.
+Nothing here imports codegeex_train: it runs in a bare interpreter.
 """
 
 import builtins
@@ -28,98 +21,38 @@ import marshal
 import os
 import posix
 import resource
-import signal
 import sys
 
-_CLONE_NEWNET = 0x40000000
-_CLONE_NEWUSER = 0x10000000
-_PR_SET_PDEATHSIG = 1
-_PR_SET_DUMPABLE = 4
-_PR_SET_KEEPCAPS = 8
-_PR_SET_NO_NEW_PRIVS = 38
-_CAP_DAC_READ_SEARCH = 2
-_LINUX_CAPABILITY_VERSION_3 = 0x20080522
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-
-
-class SandboxSetupError(Exception):
-    """A guard the harness asked for could not be put up."""
-
-
-def _libc():
-    import ctypes
-
-    return ctypes, ctypes.CDLL(None, use_errno=True)
-
-
-def _check(ctypes, result: int, what: str) -> None:
-    if result != 0:
-        err = ctypes.get_errno()
-        raise SandboxSetupError(f"{what}: {os.strerror(err)} (errno {err})")
+SETUP_FAILED = 3  # the exit status when the limits or the files could not be put in place
+EXEC_FAILED = 127  # the command could not be started (as a shell says)
 
 
 def set_limits(limits: dict) -> None:
     def hard(res, value):
         resource.setrlimit(res, (value, value))
 
-    if limits.get("memory_bytes"):
-        hard(resource.RLIMIT_AS, limits["memory_bytes"])
-    if limits.get("cpu_seconds"):
-        # SIGXCPU at the soft limit, SIGKILL one second later.
-        resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu_seconds"], limits["cpu_seconds"] + 1))
-    if limits.get("file_bytes"):
-        hard(resource.RLIMIT_FSIZE, limits["file_bytes"])
-    if limits.get("open_files"):
-        hard(resource.RLIMIT_NOFILE, limits["open_files"])
+    hard(resource.RLIMIT_AS, limits["memory_bytes"])
+    # SIGXCPU at the soft limit, SIGKILL one second later.
+    resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu_seconds"], limits["cpu_seconds"] + 1))
+    hard(resource.RLIMIT_FSIZE, limits["file_bytes"])
+    hard(resource.RLIMIT_NOFILE, limits["open_files"])
     if limits.get("processes"):
         hard(resource.RLIMIT_NPROC, limits["processes"])
     hard(resource.RLIMIT_CORE, 0)
 
 
-def isolate_network() -> None:
-    unshare = getattr(os, "unshare", None)  # Python 3.12+
-    flags = _CLONE_NEWNET if os.geteuid() == 0 else _CLONE_NEWUSER | _CLONE_NEWNET
-    if unshare is not None:
-        try:
-            unshare(flags)
-        except OSError as e:
-            raise SandboxSetupError(f"unshare(network namespace): {e.strerror} (errno {e.errno})") from None
-        return
-    ctypes, libc = _libc()
-    _check(ctypes, libc.unshare(flags), "unshare(network namespace)")
-
-
-def drop_privileges(uid: int, gid: int) -> None:
-    """Become ``uid``/``gid`` for good (real, effective and saved), keeping only CAP_DAC_READ_SEARCH."""
-    ctypes, libc = _libc()
-    _check(ctypes, libc.prctl(_PR_SET_KEEPCAPS, 1, 0, 0, 0), "prctl(PR_SET_KEEPCAPS)")
-    os.setgroups([])
-    os.setresgid(gid, gid, gid)
-    os.setresuid(uid, uid, uid)
-
-    class Header(ctypes.Structure):
-        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
-
-    class Data(ctypes.Structure):
-        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
-                    ("inheritable", ctypes.c_uint32)]
-
-    header = Header(_LINUX_CAPABILITY_VERSION_3, 0)
-    data = (Data * 2)()
-    data[0].effective = data[0].permitted = 1 << _CAP_DAC_READ_SEARCH
-    _check(ctypes, libc.capset(ctypes.byref(header), data), "capset(CAP_DAC_READ_SEARCH)")
-    _check(ctypes, libc.prctl(_PR_SET_KEEPCAPS, 0, 0, 0, 0), "prctl(PR_SET_KEEPCAPS, 0)")
-    # A uid change makes the process non-dumpable, which hides /proc/self/fd; the guards below read it.
-    libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
-
-
-def final_prctls(parent: int) -> None:
-    ctypes, libc = _libc()
-    _check(ctypes, libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
-    # Set after the uid change (which clears it): if the harness dies, so does the sample.
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:
-        os._exit(1)
+def write_files(files: dict) -> None:
+    """``files`` (relative name -> str or bytes) into the working directory, never through a link."""
+    for name, data in files.items():
+        parts = name.split("/")
+        if name.startswith("/") or ".." in parts or "" in parts:
+            raise ValueError(f"file name {name!r}: must be relative, without '..'")
+        if len(parts) > 1:
+            os.makedirs("/".join(parts[:-1]), exist_ok=True)
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
 
 
 def install_guards(scratch: str) -> None:
@@ -299,21 +232,19 @@ def main() -> None:
     os.close(devnull)
     try:
         set_limits(spec["limits"])
-        if spec["network_namespace"]:
-            isolate_network()
-        if spec["uid"] is not None:
-            drop_privileges(spec["uid"], spec["gid"])
-        final_prctls(spec["parent"])
-        if spec.get("probe"):  # the harness asks what holds: report and stop
-            for module in spec["probe_imports"]:
-                __import__(module)
-            os.write(spec["result_fd"], f"uid {os.getuid()} euid {os.geteuid()}".encode())
-            os._exit(0)
-        if spec["python_guards"]:
-            install_guards(spec["scratch"])
+        write_files(spec.get("files") or {})
+        if spec.get("python_guards") and not spec.get("argv"):
+            install_guards(os.getcwd())
     except BaseException as e:
         os.write(2, f"\nsandbox setup failed: {type(e).__name__}: {e}\n".encode(errors="replace"))
-        os._exit(3)
+        os._exit(SETUP_FAILED)
+    if spec.get("argv"):
+        argv = spec["argv"]
+        try:
+            os.execvp(argv[0], argv)
+        except OSError as e:
+            os.write(2, f"\ncannot run {argv[0]}: {e.strerror}\n".encode(errors="replace"))
+            os._exit(EXEC_FAILED)
     token, result_fd, program = spec["token"], spec["result_fd"], spec["program"]
     del spec
     run(program, token, result_fd)

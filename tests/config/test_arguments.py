@@ -151,6 +151,23 @@ def test_fewer_microbatches_than_stages_warns():
     assert validate(args, 2).stage_layers == (range(0, 3), range(3, 5))
 
 
+def test_virtual_pipeline_layout():
+    """--num-layers-per-virtual-pipeline-stage: rank r holds virtual stages r, r + p, ...; N = layers / p is v = 1,
+    the plain 1F1B layout exactly."""
+    pp2 = ("--num-layers", "8", "--pipeline-model-parallel-size", "2", "--global-batch-size", "16")
+    layout = validate(args_for(*pp2, "--num-layers-per-virtual-pipeline-stage", "2"), 2)
+    assert layout.num_chunks == 2
+    assert layout.chunk_layers == ((range(0, 2), range(4, 6)), (range(2, 4), range(6, 8)))
+    assert layout.stage_layers == ((0, 1, 4, 5), (2, 3, 6, 7))
+    assert layout.rank_chunks(1) == (range(2, 4), range(6, 8))
+    layout = validate(args_for("--num-layers", "12", "--pipeline-model-parallel-size", "2", "--global-batch-size",
+                               "16", "--num-layers-per-virtual-pipeline-stage", "2"), 2)
+    assert layout.num_chunks == 3 and layout.rank_chunks(0) == (range(0, 2), range(4, 6), range(8, 10))
+    plain = validate(args_for(*pp2), 2)
+    assert validate(args_for(*pp2, "--num-layers-per-virtual-pipeline-stage", "4"), 2) == plain
+    assert plain.num_chunks == 1 and plain.rank_chunks(1) == (range(4, 8),)
+
+
 # --- Sequence parallelism and recompute (--sequence-parallel, --recompute-*) ------------------------------------
 
 def test_recompute_flags_give_one_recompute():

@@ -24,7 +24,7 @@ SCRIPT_VARS = ("OUTPUT_DIR", "CONFIG", "DEVICE", "NUM_GPUS", "HOSTFILE", "TP", "
                "GLOBAL_BATCH", "TRAIN_ITERS", "SEQ_LENGTH", "DATA_PATH", "TOKENIZER_ARGS", "DS_CONFIG", "LR", "MIN_LR",
                "DECAY", "WARMUP", "LAUNCHER_ARGS", "INIT_FROM", "DRY_RUN", "DS_ACCELERATOR", "DS_ENV_FILE",
                "OMP_NUM_THREADS", "TORCH_EXTENSIONS_DIR", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "SP",
-               "RECOMPUTE")
+               "RECOMPUTE", "VPP")
 
 # What the script ran for the default CPU configuration before the launch layout was derived from the device
 # (`git show a4bf96d:scripts/pretrain_codegen.sh` with no variables set): it must stay exactly this.
@@ -211,6 +211,23 @@ def test_default_cpu_layout_line_shows_no_sp_and_no_recompute(script):
     assert (layout["SP"], layout["RECOMPUTE"]) == ("0", "none") and argv == cpu_default_argv()
 
 
+def test_vpp_interleaves_the_pipeline(script):
+    """VPP=N is --num-layers-per-virtual-pipeline-stage N, right after the pipeline size; the layout line shows it."""
+    from codegeex_train.config.arguments import parse_args, validate
+
+    layout, _, argv = dry_run(script, PP="2", VPP="1")
+    assert (layout["PP"], layout["VPP"], layout["MICRO_BATCHES"]) == ("2", "1", "2")
+    default = cpu_default_argv()
+    at = default.index("--pipeline-model-parallel-size") + 1
+    assert argv == default[:at] + ["2", "--num-layers-per-virtual-pipeline-stage", "1"] + default[at + 1:]
+    parsed = parse_args(argv[argv.index(f"{ROOT}/codegeex_train/pretrain.py") + 1:])
+    assert validate(parsed, int(layout["RANKS"])).num_chunks == 2  # 4 layers, 2 stages, chunks of 1 layer
+    # the arguments' flag wins, and is the one checked and shown
+    layout, _, argv = dry_run(script, "--num-layers-per-virtual-pipeline-stage=1", PP="2", VPP="3")
+    assert layout["VPP"] == "1" and [w for w in argv if "virtual" in w] == ["--num-layers-per-virtual-pipeline-stage=1"]
+    assert dry_run(script)[0]["VPP"] == "none"
+
+
 @pytest.mark.parametrize("tp, variables, args, sp, recompute", [
     ("8", {}, (), True, "selective"),  # Megatron's choice for TP 8: SP + selective, not full recompute
     ("1", {}, (), False, "selective"),  # no SP at TP 1: its default follows TP
@@ -307,6 +324,16 @@ def test_layout_flags_in_the_arguments_are_the_ones_checked(script):
     (0, {"DEVICE": "tpu"}, (), "DEVICE=tpu"),
     (0, {"SP": "yes"}, (), "SP=yes: use 1"),
     (0, {"RECOMPUTE": "partial"}, (), "RECOMPUTE=partial: use none, selective or full"),
+    (0, {"VPP": "1"}, (), "VPP=1 (--num-layers-per-virtual-pipeline-stage) needs PP > 1"),
+    (0, {"PP": "2", "VPP": "3"}, (), "VPP=3: the 4 layers do not split into chunks of 3 on each of the 2 stages "
+                                     "(layers divisible by PP x VPP = 6): use VPP among: 1 2"),
+    (0, {"PP": "2", "VPP": "2"}, ("--num-layers", "6"), "the 6 layers do not split into chunks of 2 on each of "
+                                                         "the 2 stages (layers divisible by PP x VPP = 4): use VPP "
+                                                         "among: 1 3"),
+    (0, {"PP": "2", "VPP": "1", "MICRO_BATCHES": "3"}, (), "needs the micro-batches per step (MICRO_BATCHES 3"),
+    (0, {"PP": "2", "VPP": "1", "GLOBAL_BATCH": "24"}, (), "use a GLOBAL_BATCH of a multiple of 16"),
+    (0, {"PP": "2", "VPP": "one"}, (), "VPP=one: not a whole number"),
+    (0, {"PP": "2", "VPP": "0"}, (), "VPP=0: must be at least 1"),
     (0, {"INIT_FROM": "/nonexistent/ckpt"}, (), "INIT_FROM=/nonexistent/ckpt: no such directory"),
     (0, {"HOSTFILE": "/nonexistent/hostfile"}, (), "no such file"),
     (0, {"HOSTFILE": "{bad_hostfile}"}, (), "not a 'hostname slots=N' line: node2 gpus=8"),

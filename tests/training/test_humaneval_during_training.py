@@ -56,3 +56,23 @@ def test_needs_a_single_pipeline_stage(tiny_data, capsys, monkeypatch, tmp_path)
                                 "--eval-humaneval-interval", "2"))
     assert "--eval-humaneval-interval needs --pipeline-model-parallel-size 1" in capsys.readouterr().err
     assert not save.exists()  # refused before anything was written
+
+
+def test_a_machine_that_cannot_isolate_samples_stops_the_run(tiny_data, capsys, monkeypatch, tmp_path):
+    """No bubblewrap on PATH: one error line before anything starts, not a silent run without isolation;
+    --unsafe-no-sandbox is the explicit way past it."""
+    from codegeex_train.config.arguments import parse_args
+    from codegeex_train.evaluation.during_training import training_sandbox
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    save = tmp_path / "unused"
+    with pytest.raises(SystemExit):
+        pretrain.main(tiny_pretrain_args(tiny_data, str(save), 4, "--eval-humaneval-interval", "2"))
+    err = capsys.readouterr().err
+    assert "error: --eval-humaneval-interval: bubblewrap (bwrap) not found: install bubblewrap" in err, err
+    assert "--unsafe-no-sandbox" in err and "Traceback" not in err
+    assert not save.exists()
+    args = parse_args(tiny_pretrain_args(tiny_data, str(save), 4, "--eval-humaneval-interval", "2",
+                                         "--unsafe-no-sandbox"))
+    assert args.train.unsafe_no_sandbox
+    assert training_sandbox(args.train.unsafe_no_sandbox).unsafe
