@@ -197,6 +197,15 @@ def test_tool_scores_several_languages(tmp_path):
     assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 6
 
 
+def test_tool_canonical_scores_the_problems_own_solutions(tmp_path):
+    """--canonical: each task's canonical_solution as its sample (the check run on CodeGeeX's data)."""
+    result = run_tool("--canonical", "--language", "python,js", "--problems", DATA, "--workers", 2)
+    assert result.returncode == 0, result.stderr
+    assert "python pass@1: 1.0000" in result.stdout and "js pass@1: 1.0000" in result.stdout, result.stdout
+    both = run_tool("--canonical", "--samples", tmp_path / "s.jsonl", "--language", "js", "--problems", DATA)
+    assert both.returncode == 2 and "give exactly one of --load" in both.stderr, both.stderr
+
+
 @pytest.mark.parametrize("args,fragment", [
     (["--language", "rust"], "--language language 'rust'"),
     (["--language", "all", "--problems", "{d}/cpp/data/humaneval_cpp.jsonl"], "a file holds one language"),
