@@ -58,7 +58,12 @@ from codegeex_train.checkpoint.safe_load import file_kind, open_regular, safe_to
 from codegeex_train.checkpoint.sharding import split_model_parallel
 from codegeex_train.checkpoint.universal import to_universal
 from codegeex_train.config.model import ModelConfig
-from codegeex_train.pipeline.stages import rank_chunk_layers, stage_layer_ranges, virtual_pipeline_size
+from codegeex_train.pipeline.stages import (
+    chunked_stage_layers,
+    rank_chunk_layers,
+    stage_layer_ranges,
+    virtual_pipeline_size,
+)
 
 PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth")  # what an HF directory may hold besides safetensors
 # The index files of sharded weights (save_pretrained): {"weight_map": {parameter name: shard file name}}.
@@ -87,8 +92,7 @@ class Layout(NamedTuple):  # not a dataclass: tests load this file as a module o
         config.validate(self.tp_size)
         v = self.num_chunks(config)
         if v > 1:
-            return [[i for chunk in chunks for i in chunk]
-                    for chunks in rank_chunk_layers(config.num_layers, self.pp_size, v)]
+            return list(chunked_stage_layers(rank_chunk_layers(config.num_layers, self.pp_size, v)))
         return stage_layer_ranges(config.num_layers, self.pp_size, self.first, self.last)
 
 

@@ -19,7 +19,7 @@ from codegeex_train.config.model import ModelConfig
 from codegeex_train.config.recompute import Recompute
 from codegeex_train.distributed.layout import Layout
 from codegeex_train.pipeline.schedules import interleaved_one_f_one_b
-from codegeex_train.pipeline.stages import rank_chunk_layers
+from codegeex_train.pipeline.stages import chunked_stage_layers, rank_chunk_layers
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class Workload:
             raise ValueError(f"the Layout's chunk_layers give {[len(c) for c in chunks]} chunks per stage: "
                              f"want {v} on each of the {pp} stages")
         if v > 1 and not ranges:
-            ranges = tuple(tuple(i for chunk in rank for i in chunk) for rank in chunks)
+            ranges = chunked_stage_layers(chunks)
         if not ranges and num_layers % pp == 0:  # even split by default
             n = num_layers // pp
             ranges = tuple(range(i * n, (i + 1) * n) for i in range(pp))

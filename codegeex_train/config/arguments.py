@@ -22,6 +22,7 @@ from codegeex_train.distributed.layout import Layout
 from codegeex_train.distributed.topology import ParallelConfigError, ParallelDims
 from codegeex_train.pipeline.stages import (
     PipelineSplitError,
+    chunked_stage_layers,
     rank_chunk_layers,
     stage_layer_ranges,
     virtual_pipeline_size,
@@ -317,7 +318,7 @@ def validate(args: Args, world_size: int) -> Layout:
                 f"{t.micro_batch_size} x DP {dims.dp_size})) divisible by --pipeline-model-parallel-size "
                 f"{dims.pp_size}: use a global batch that gives a multiple of {dims.pp_size}")
         chunk_layers = tuple(rank_chunk_layers(args.model.num_layers, dims.pp_size, num_chunks))
-        stage_layers = tuple(tuple(i for chunk in chunks for i in chunk) for chunks in chunk_layers)
+        stage_layers = chunked_stage_layers(chunk_layers)
     if dims.pp_size > 1 and t.zero_stage == 0:
         # Without ZeRO, DeepSpeed's own clipping does not skip the tied copy (measured: 3e-5 off by step 4).
         raise ConfigError(f"--pipeline-model-parallel-size {dims.pp_size} needs --zero-stage 1 or 2 (the stages' "

@@ -99,3 +99,8 @@ def rank_chunk_layers(num_layers: int, pp_size: int, num_chunks: int) -> list[tu
     stage c·p + r. ``num_chunks`` 1: each rank's single range of ``stage_layer_ranges``' even split."""
     virtual = stage_layer_ranges(num_layers, pp_size * num_chunks)
     return [tuple(virtual[c * pp_size + r] for c in range(num_chunks)) for r in range(pp_size)]
+
+
+def chunked_stage_layers(chunk_layers) -> tuple[tuple[int, ...], ...]:
+    """Each rank's layers, all its chunks', in order: what its model (and its checkpoint file) holds."""
+    return tuple(tuple(i for chunk in chunks for i in chunk) for chunks in chunk_layers)
