@@ -29,10 +29,12 @@ import torch
 import torch.distributed as dist
 
 from codegeex_train.accounting import Workload, expected_memory_report
+from codegeex_train.accounting.fit import Host, check_run_memory
 from codegeex_train.checkpoint.resume import Resume, preflight_load, restore
 from codegeex_train.checkpoint.train_state import TrainState
 from codegeex_train.config.arguments import Args, ConfigError, parse_args, recompute_from_args, validate
 from codegeex_train.config.deepspeed import build_deepspeed_config, load_user_config
+from codegeex_train.data.token_range import TokenIdError
 from codegeex_train.data.tokenizer import Tokenizer, load_tokenizer
 from codegeex_train.distributed.cluster import (
     ClusterError,
@@ -83,7 +85,10 @@ def prepare(argv: list[str] | None) -> Prepared:
         raise ConfigError(str(e)) from None
     preflight_data(args.data, args.model.padded_vocab_size)
     ds_config = build_deepspeed_config(args, layout, load_user_config(args.train.deepspeed_config))
-    resume = preflight_load(args.train, args.model, layout.dims, layout.num_chunks)
+    if not args.train.skip_memory_check:  # what cannot fit is refused before anything is allocated
+        check_run_memory(args, layout, ds_config, num_samples(args.train, layout),
+                         Host.from_env(world_size, "cuda" if uses_cuda() else "cpu"))
+    resume = preflight_load(args.train, args.model, layout.dims, layout.num_chunks, stage_layers=layout.stage_layers)
     if args.train.eval_humaneval_interval:  # a machine that cannot isolate samples stops the run now
         try:
             training_sandbox(args.train.unsafe_no_sandbox)
@@ -105,12 +110,17 @@ def skip_inference_comm_op() -> None:
         compatible["deepspeed_shm_comm"] = False
 
 
+def uses_cuda() -> bool:
+    """Whether this rank trains on its GPU (DS_ACCELERATOR=cpu keeps it on the CPU)."""
+    return torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
+
+
 def init_distributed(args: Args, layout: Layout) -> tuple[Topology, torch.device]:
     """Join (or create) the default process group, every wait bounded by --distributed-timeout-minutes; then
     build the topology's groups."""
     import deepspeed
 
-    use_cuda = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
+    use_cuda = uses_cuda()
     backend = args.parallel.distributed_backend
     if backend == "auto":
         backend = "nccl" if use_cuda else "gloo"
@@ -182,7 +192,7 @@ def main(argv: list[str] | None = None) -> TrainState:
         print(f"--load {prepared.resume.load_dir} is at iteration {state.iteration} of --train-iters "
               f"{t.train_iters}: nothing to train; raise --train-iters to continue", flush=True)
         return state  # (the process group goes with the process)
-    train_ds, valid_ds, test_ds = build_datasets(args.data, t, layout, topology.rank)
+    train_ds, valid_ds, test_ds = build_datasets(args.data, t, layout, topology.rank, args.model.padded_vocab_size)
     sizes = num_samples(t, layout)
     train_loader = loader(train_ds, state.consumed_train_samples, layout, topology.dp_rank, args.data.num_workers,
                           sizes[0])
@@ -210,6 +220,9 @@ def main(argv: list[str] | None = None) -> TrainState:
               step_context=step_context_from_environment(engine.module))
     try:
         state = train(run, state, train_loader, valid_loader, test_loader)
+    except TokenIdError as e:  # data changed or damaged after the start-up scan: one line, the launcher ends the rest
+        print(f"error: {e.one_line()}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     finally:
         exit_conditions.close()
         logger.close()

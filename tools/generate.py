@@ -282,7 +282,7 @@ def interactive(gen: Generator, params: SamplingParams, config: ModelConfig, tok
         sink.put({"prompt": prompt}, gen.generate([prompt], params)[0], show_prompt=False)
 
 
-def fail(message: str, rank: int, code: int = 1) -> None:
+def fail(message: str, rank: int, code: int = 2) -> None:
     if rank == 0:
         print(f"{PROG}: error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
     raise SystemExit(code)

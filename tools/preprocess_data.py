@@ -19,17 +19,27 @@ JSON lines (field "content") with a GPT-2 BPE vocabulary:
 Train with --data-path data/stdlib_text_document.
 
 Bad input (a missing file, a malformed JSON line, an unreadable tokenizer, a bad flag value, an unknown flag) ends
-with one `preprocess_data.py: error: ...` line and a non-zero exit.
+with one `preprocess_data.py: error: ...` line and a non-zero exit; so do a dead tokenizer worker (the OOM killer), a
+full disk, Ctrl-C and SIGTERM. The outputs appear only when the whole run succeeds: a failed run leaves no .bin/.idx
+and no .tmp. Documents longer than --max-document-chars (default 1 Mi characters, BigCode's 1 MB file cut) are skipped
+and counted in the summary line; --max-document-chars 0 keeps them all.
 """
 
 import argparse
+import signal
 import sys
 
 from codegeex_train.config.megatron_flags import ORIGIN, PREPROCESS_DATA, SEE
 from codegeex_train.config.options import FlagParser, add_foreign_flags
 from codegeex_train.data.corpus import CorpusError
 from codegeex_train.data.indexed_dataset import IndexedDatasetError
-from codegeex_train.data.preprocess import DEFAULT_INPUT, TokenizerSpec, preprocess
+from codegeex_train.data.preprocess import (
+    DEFAULT_INPUT,
+    DEFAULT_MAX_DOCUMENT_CHARS,
+    TokenizerSpec,
+    WorkerDiedError,
+    preprocess,
+)
 from codegeex_train.data.tokenizer import DEFAULT_TOKENIZER_PATH, TOKENIZER_TYPES, TokenizerError
 
 
@@ -48,7 +58,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     data.add_argument("--language-tag", action="store_true",
                       help="prefix source files with CodeGeeX's '# language: X' line")
     data.add_argument("--skip-bad-lines", action="store_true",
-                      help="skip (and count) malformed JSON lines instead of failing")
+                      help="skip (and count) bad records instead of failing: JSON lines that are not UTF-8, not "
+                      "JSON, nested too deeply, not an object, without a string --json-keys field or with a lone "
+                      "surrogate; text/source files that are not UTF-8")
+    data.add_argument("--max-document-chars", type=int, default=DEFAULT_MAX_DOCUMENT_CHARS, metavar="N",
+                      help="skip (and count) documents longer than N characters before they reach the tokenizer, "
+                      "which needs ~190 bytes of memory per character (0 = no limit; default: %(default)s, "
+                      "as BigCode and Codex drop files over 1 MB)")
     tok = parser.add_argument_group("tokenizer")
     tok.add_argument("--tokenizer-type", default="HFTokenizer", choices=TOKENIZER_TYPES)
     tok.add_argument("--tokenizer-model", default=DEFAULT_TOKENIZER_PATH,
@@ -74,12 +90,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         value = getattr(args, flag[2:].replace("-", "_"))
         if value < 1:
             parser.error(f"{flag} {value}: must be >= 1")
+    if args.max_document_chars < 0:
+        parser.error(f"--max-document-chars {args.max_document_chars}: must be >= 0 (0 = no limit)")
     partitions = getattr(args, "ignored --partitions", None)
     if partitions not in (None, "1"):
         print(f"preprocess_data.py: note: --partitions {partitions} ({ORIGIN}) has no effect: one reader feeds "
               f"--workers {args.workers} tokenizer processes (raise --workers for speed); the output is the same",
               file=sys.stderr)
     return args
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's cancel), raised like Ctrl-C so that the unfinished outputs are removed."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -98,11 +124,18 @@ def main(argv: list[str] | None = None) -> None:
             language_tag=args.language_tag,
             skip_bad_lines=args.skip_bad_lines,
             log_interval=args.log_interval,
+            max_document_chars=args.max_document_chars,
         )
-    except (CorpusError, TokenizerError, IndexedDatasetError, OSError) as e:  # bad input, unwritable output
-        sys.exit(f"preprocess_data.py: error: {' '.join(str(e).split())}")
+    except (CorpusError, TokenizerError, IndexedDatasetError, WorkerDiedError, OSError) as e:
+        print(f"preprocess_data.py: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None  # bad input or unwritable output: one line, exit 2 as argparse
+    except KeyboardInterrupt as e:
+        name, code = ("SIGTERM", 128 + signal.SIGTERM) if isinstance(e, Terminated) else ("SIGINT", 128 + signal.SIGINT)
+        print(f"preprocess_data.py: error: interrupted ({name}); no partial output is left", file=sys.stderr)
+        sys.exit(code)
     print(summary)
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _raise_terminated)
     main()

@@ -165,7 +165,8 @@ def main(argv: list[str] | None = None) -> None:
             skip_bad_lines=args.skip_bad_lines,
         )
     except (CorpusError, OSError) as e:  # bad or unreadable input, unwritable output
-        sys.exit(f"train_tokenizer.py: error: {' '.join(str(e).split())}")
+        print(f"train_tokenizer.py: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None  # bad input: one line, exit 2 as argparse
     print(
         f"wrote {summary.output_path}: vocab size {summary.vocab_size}, "
         f"{summary.file_bytes / 1e6:.2f} MB; trained on {summary.documents} documents "

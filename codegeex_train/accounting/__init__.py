@@ -1,4 +1,5 @@
-"""Communication and memory per rank: counted at run time, and predicted from the shapes."""
+"""Communication and memory per rank: counted at run time, and predicted from the shapes; the memory check a run
+passes before anything is built (``fit.py``, against what ``available.py`` reads the host and GPU have free)."""
 
 from codegeex_train.accounting.counter import CommCounter
 from codegeex_train.accounting.theory import (

@@ -22,6 +22,19 @@ from codegeex_train.pipeline.schedules import interleaved_one_f_one_b
 from codegeex_train.pipeline.stages import chunked_stage_layers, rank_chunk_layers
 
 
+def _covers_once(ranges: Sequence[Sequence[int]], num_layers: int) -> bool:
+    """Whether the stages' layers are 0 .. num_layers - 1, each once: for ranges in O(stages), so that a run of
+    --num-layers 10**9 is refused by the memory check instead of listing its layers."""
+    if all(isinstance(r, range) and r.step == 1 for r in ranges):
+        end = 0
+        for r in sorted((r for r in ranges if len(r)), key=lambda r: r.start):
+            if r.start != end:
+                return False
+            end = r.stop
+        return end == num_layers
+    return sorted(i for r in ranges for i in r) == list(range(num_layers))
+
+
 @dataclass(frozen=True)
 class Workload:
     """A model, a batch and a layout, as the formulas need them. The layout (sizes, micro-batches, the layers of
@@ -68,7 +81,7 @@ class Workload:
         if not ranges and num_layers % pp == 0:  # even split by default
             n = num_layers // pp
             ranges = tuple(range(i * n, (i + 1) * n) for i in range(pp))
-        if len(ranges) != pp or sorted(i for r in ranges for i in r) != list(range(num_layers)):
+        if len(ranges) != pp or not _covers_once(ranges, num_layers):
             raise ValueError(f"{num_layers} layers do not split into {pp} pipeline stages as "
                              f"{list(given) or 'evenly'}: give the Layout's stage_layers, one range per stage, "
                              f"covering every layer once")
@@ -223,7 +236,7 @@ def tp_bytes_per_microbatch(w: Workload, pp_rank: int = 0) -> dict[str, int]:
         terms["activations"] += 2 * phi  # output layer (tied word table)
         terms["loss"] = 2 * (b * s * 4) + 2 * (2 * b * s * 4)
     sizes = w.chunk_sizes(pp_rank)  # full recompute's units are per model chunk
-    recomputed = sum(len(unit) for n in sizes for unit in w.recompute.full_units(n))
+    recomputed = sum(full_unit_counts(w.recompute, n)[1] for n in sizes)
     terms["recompute"] = recomputed * 4 * phi
     if top_query and w.recompute.covers_top_query_layer(sizes[-1]):
         terms["recompute"] += 4 * phi + (phi if w.sp else 0)
@@ -369,6 +382,17 @@ def layer_activation_bytes(w: Workload, top_query: bool = False) -> dict[str, in
     }
 
 
+def full_unit_counts(rc: Recompute, num_layers: int) -> tuple[int, int, int]:
+    """(units, layers recomputed, layers in the largest unit) of ``rc.full_units(num_layers)``, counted without
+    listing the units (a memory check of --num-layers 10**9 must not build a billion ranges)."""
+    if not rc.is_full or num_layers == 0:
+        return 0, 0, 0
+    if rc.method == "block":
+        n = min(rc.num_layers, num_layers)
+        return n, n, 1
+    return -(-num_layers // rc.num_layers), num_layers, min(rc.num_layers, num_layers)
+
+
 def activation_parts(w: Workload, pp_rank: int = 0, chunk: int | None = None) -> dict[str, int]:
     """What one rank of stage ``pp_rank`` keeps for one micro-batch's backward, by part: ``layers`` (the stage's
     regular layers), ``top_query_layer``, ``embedding`` (first stage), ``output`` (last stage: final LayerNorm,
@@ -384,9 +408,8 @@ def activation_parts(w: Workload, pp_rank: int = 0, chunk: int | None = None) ->
     layers = w.chunk_sizes(pp_rank)[chunk]
     first, last = w.first_chunk(pp_rank, chunk), w.last_chunk(pp_rank, chunk)
     layer = sum(layer_activation_bytes(w).values())
-    units = w.recompute.full_units(layers)
-    recomputed = sum(len(u) for u in units)
-    parts = {"layers": (layers - recomputed) * layer + len(units) * e * sbh // r,
+    units, recomputed, _ = full_unit_counts(w.recompute, layers)
+    parts = {"layers": (layers - recomputed) * layer + units * e * sbh // r,
              "top_query_layer": 0, "embedding": 0, "output": 0}
     if last and m.top_query_layer:
         if w.recompute.covers_top_query_layer(layers):
@@ -428,7 +451,7 @@ def recompute_working_bytes(w: Workload, pp_rank: int = 0) -> int:
     if rc.is_full:
         kept = replace(w, recompute=Recompute())
         layer = sum(layer_activation_bytes(kept).values())
-        units = [len(u) * layer for n in sizes for u in rc.full_units(n)]
+        units = [full_unit_counts(rc, n)[2] * layer for n in sizes]
         if top_query and rc.covers_top_query_layer(sizes[-1]):
             units.append(sum(layer_activation_bytes(kept, top_query=True).values()))
         return max(units, default=0)

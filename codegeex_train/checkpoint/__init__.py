@@ -14,7 +14,8 @@
 ``resume.py``       ``--load`` checked before any process group (``Resume``), then ``restore()`` once
 ==================  ==========================================================================================
 
-May import: ``model``, ``pipeline``, ``tensor_parallel``, ``distributed``, ``config``. Nothing here trains.
+May import: ``model``, ``pipeline``, ``tensor_parallel``, ``distributed``, ``config``, ``metrics`` (the redaction of
+credentials in what a checkpoint records). Nothing here trains.
 """
 
 from codegeex_train.checkpoint.files import (

@@ -10,11 +10,22 @@ raise :class:`CheckpointError` with one line naming the file and what is wrong i
 * ``[bf16_]zero_pp_rank_D_mp_rank_XX_optim_states.pt`` (``check_zero_partition``): ``optimizer_state_dict``
   with ZeRO-1/2's keys: per parameter group the flat fp32 partition, its padding, its ``param_slice_mappings``
   (name -> ``fragment_address(numel, start)``, each inside the partition) and Adam's state of the same size.
+
+Which files a tag directory holds (``tag_files``, names only) and whether they are all there: one model file per
+model-parallel rank (``check_model_files``) and one ZeRO file per (DP rank, model-parallel rank) of the sizes its
+model files record (``check_zero_files``). A missing or surplus file raises :class:`IncompleteCheckpoint`, which says
+what part of the state cannot be restored without it (the caller names the flags that load less). Last
+(``check_zero_partitions``), each model-parallel rank's ZeRO files must hold, between their DP ranks, as many values
+of each parameter as the model built from the flags has: a file of another model would fail inside DeepSpeed's load.
 """
 
 from __future__ import annotations
 
+import enum
+import math
+import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,7 +33,8 @@ import torch
 from codegeex_train.checkpoint.files import type_name
 from codegeex_train.checkpoint.safe_load import CheckpointError, safe_torch_load
 
-ZERO_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d{2})_optim_states\.pt$")
+MODEL_FILE = re.compile(r"^mp_rank_(\d{2,})_model_states\.pt$")
+ZERO_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d{2,})_optim_states\.pt$")
 MODEL_INTS = ("global_steps", "global_samples", "skipped_steps", "dp_world_size", "mp_world_size")
 
 
@@ -122,13 +134,97 @@ def check_zero_partition(path: Path, state: object, *, adam: bool = False) -> di
     return osd
 
 
-def check_training_files(load_dir, tag: str, mp_size: int, *, optimizer: bool) -> None:
-    """Before DeepSpeed's ``load_checkpoint``: every model-parallel rank's model file and (``optimizer``) every ZeRO
-    partition file of ``load_dir/tag`` has the structure DeepSpeed indexes (memory-mapped reads: pickles only)."""
-    tag_dir = Path(load_dir) / tag
-    for mp_rank in range(mp_size):
-        path = tag_dir / f"mp_rank_{mp_rank:02d}_model_states.pt"
-        check_model_states(path, safe_torch_load(path, mmap=True))
-    if optimizer:
-        for path in sorted(p for p in tag_dir.iterdir() if ZERO_FILE.match(p.name)):
-            check_zero_partition(path, safe_torch_load(path, mmap=True))
+class Part(enum.Enum):
+    """What of a training checkpoint cannot be restored when a file is missing or disagrees with the others."""
+
+    MODEL = "model"  # the weights: nothing can be loaded
+    TRAINING = "training"  # the state beyond the weights (counters, LR schedule, RNG): the weights alone can
+    OPTIMIZER = "optimizer"  # ZeRO's partitions (Adam's moments): all the rest can
+
+
+class IncompleteCheckpoint(CheckpointError):
+    """A file a restore reads is missing, or the files disagree with what the checkpoint records; ``part``: what
+    cannot be restored because of it."""
+
+    def __init__(self, message: str, part: Part):
+        super().__init__(message)
+        self.part = part
+
+
+@dataclass(frozen=True)
+class TagFiles:
+    """The DeepSpeed files in a tag directory, by name (nothing read)."""
+
+    tag_dir: Path
+    model: dict[int, Path]  # model-parallel rank -> mp_rank_XX_model_states.pt
+    zero: dict[tuple[int, int], Path]  # (model-parallel rank, DP rank) -> its ZeRO optimizer file
+
+
+def tag_files(tag_dir: str | os.PathLike) -> TagFiles:
+    tag_dir = Path(tag_dir)
+    model, zero = {}, {}
+    for name in sorted(os.listdir(tag_dir)):
+        if m := MODEL_FILE.match(name):
+            model[int(m.group(1))] = tag_dir / name
+        elif m := ZERO_FILE.match(name):
+            zero[int(m.group(2)), int(m.group(1))] = tag_dir / name
+    return TagFiles(tag_dir, model, zero)
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def check_model_files(files: TagFiles, mp_size: int, recorded: str) -> None:
+    """One model file for each of the ``mp_size`` model-parallel ranks (``recorded``: where that number comes from,
+    e.g. 'TP 2 x PP 1, as its metadata records'), and none beyond."""
+    missing = [f"mp_rank_{r:02d}_model_states.pt" for r in range(mp_size) if r not in files.model]
+    if missing:
+        raise IncompleteCheckpoint(f"{files.tag_dir} lacks {_some(missing)} ({len(missing)} of its {mp_size} model "
+                                   f"files: {recorded})", Part.MODEL)
+    extra = [path.name for r, path in files.model.items() if r >= mp_size]
+    if extra:
+        raise IncompleteCheckpoint(f"{files.tag_dir} holds {_some(extra)} beyond its {mp_size} model files "
+                                   f"({recorded}): files of another save are mixed in", Part.MODEL)
+
+
+def check_zero_files(files: TagFiles, mp_size: int, dp_size: int) -> None:
+    """One ZeRO optimizer file per (DP rank, model-parallel rank) of the sizes the model files record, none beyond."""
+    prefix = "bf16_" if any(path.name.startswith("bf16_") for path in files.zero.values()) else ""
+    missing = [f"{prefix}zero_pp_rank_{d}_mp_rank_{r:02d}_optim_states.pt" for r in range(mp_size)
+               for d in range(dp_size) if (r, d) not in files.zero]
+    sizes = f"DP {dp_size} x {mp_size} model-parallel rank{'s' if mp_size > 1 else ''}, as its model files record"
+    if missing:
+        raise IncompleteCheckpoint(f"{files.tag_dir} lacks the ZeRO optimizer file{'s' if len(missing) > 1 else ''} "
+                                   f"{_some(missing)} ({len(missing)} of {mp_size * dp_size}: {sizes})", Part.OPTIMIZER)
+    extra = [path.name for (r, d), path in files.zero.items() if r >= mp_size or d >= dp_size]
+    if extra:
+        raise IncompleteCheckpoint(f"{files.tag_dir} holds {_some(extra)} beyond its {mp_size * dp_size} ZeRO "
+                                   f"optimizer files ({sizes}): files of another save are mixed in", Part.OPTIMIZER)
+
+
+def _check_fragments(files: TagFiles, mp_rank: int, values: dict[str, int], expected: dict[str, tuple]) -> None:
+    """The DP ranks' fragments of each parameter of ``mp_rank`` add up to the parameter the model has."""
+    where = f"{files.tag_dir}: the ZeRO optimizer files of model-parallel rank {mp_rank}"
+    for name, shape in expected.items():
+        if values.get(name, 0) != math.prod(shape):
+            raise CheckpointError(f"{where} hold {values.get(name, 0)} values of parameter {name} across the DP "
+                                  f"ranks; the model built from the flags has {math.prod(shape)} (shape {shape})")
+    extra = next((name for name in values if name not in expected), None)
+    if extra is not None:
+        raise CheckpointError(f"{where} hold parameter {extra[:100]}, which the model built from the flags lacks")
+
+
+def check_zero_partitions(files: TagFiles, expected: dict[int, dict[str, tuple]]) -> None:
+    """Before DeepSpeed's ``load_checkpoint``: every ZeRO partition file has the structure DeepSpeed indexes
+    (memory-mapped reads: pickles only), and each model-parallel rank's files hold, between their DP ranks, exactly
+    the values of its parameters in ``expected`` (model-parallel rank -> parameter name -> shape)."""
+    values: dict[int, dict[str, int]] = {mp_rank: {} for mp_rank in expected}
+    for (mp_rank, _), path in sorted(files.zero.items()):
+        osd = check_zero_partition(path, safe_torch_load(path, mmap=True))
+        counts = values.setdefault(mp_rank, {})
+        for mapping in osd["param_slice_mappings"]:
+            for name, address in mapping.items():
+                counts[name] = counts.get(name, 0) + address.numel
+    for mp_rank, shapes in expected.items():
+        _check_fragments(files, mp_rank, values[mp_rank], shapes)

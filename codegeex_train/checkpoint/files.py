@@ -30,13 +30,15 @@ import os
 import re
 import stat
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from codegeex_train.checkpoint.safe_load import CheckpointError, check_tag_dir, file_kind, safe_torch_load
-from codegeex_train.checkpoint.sharding import merge_state_dicts
+from codegeex_train.checkpoint.sharding import merge_state_dicts, partition_spec, stages_of_name
 from codegeex_train.config.model import ModelConfig
+from codegeex_train.metrics.redaction import redact_secrets
 
 META_KEY = "codegeex_train"
 # Fields that change parameter shapes or names; the rest (dropout, init std, ...) may differ on load.
@@ -121,11 +123,12 @@ def read_latest(directory: str | os.PathLike) -> str:
 def tokenizer_settings(flags) -> dict:
     """What a checkpoint records of the tokenizer: the five tokenizer fields of ``flags`` (a ``DataConfig`` or
     anything with them), file paths made absolute (against the current directory) so that tools run elsewhere
-    find them."""
+    find them, and any credential in them redacted (``metrics.redaction``: a checkpoint is shared more widely than
+    the job; a tool then asks for the flag instead)."""
     settings = {name: getattr(flags, name) for name in TOKENIZER_FIELDS}
     for name in TOKENIZER_FILE_FLAGS:
         if settings[name] is not None:
-            settings[name] = os.path.abspath(settings[name])
+            settings[name] = redact_secrets(os.path.abspath(settings[name]))
     return settings
 
 
@@ -197,6 +200,72 @@ def describe_shape_difference(stored: ModelConfig, config: ModelConfig) -> str:
     return "; ".join(f"{k}: checkpoint {theirs[k]}, this run {ours[k]}" for k in ours if ours[k] != theirs[k])
 
 
+# --- What each file must hold, from the config alone (no weights built: a check before any process group) ----------
+
+def _layer_shapes(prefix: str, h: int, ffn: int, attention: dict[str, int]) -> dict[str, tuple[int, ...]]:
+    shapes = {f"{prefix}input_layernorm.weight": (h,), f"{prefix}input_layernorm.bias": (h,)}
+    for name, rows in attention.items():  # column-parallel projections: (out, in)
+        shapes[f"{prefix}attention.{name}.weight"], shapes[f"{prefix}attention.{name}.bias"] = (rows, h), (rows,)
+    shapes.update({f"{prefix}attention.dense.weight": (h, h), f"{prefix}attention.dense.bias": (h,),
+                   f"{prefix}post_attention_layernorm.weight": (h,), f"{prefix}post_attention_layernorm.bias": (h,),
+                   f"{prefix}mlp.dense_h_to_4h.weight": (ffn, h), f"{prefix}mlp.dense_h_to_4h.bias": (ffn,),
+                   f"{prefix}mlp.dense_4h_to_h.weight": (h, ffn), f"{prefix}mlp.dense_4h_to_h.bias": (h,)})
+    return shapes
+
+
+def model_parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter of the whole model (TP = PP = 1) with its shape, in ``CodeGeeXModel``'s order: what its
+    ``state_dict`` holds (tests check the two agree), computed without building it."""
+    h, ffn, positions = config.hidden_size, config.ffn_hidden_size, config.max_position_embeddings
+    shapes = {"word_embeddings.weight": (config.padded_vocab_size, h), "position_embeddings.weight": (positions, h)}
+    for i in range(config.num_layers):
+        shapes.update(_layer_shapes(f"layers.{i}.", h, ffn, {"query_key_value": 3 * h}))
+    shapes.update({"final_layernorm.weight": (h,), "final_layernorm.bias": (h,)})
+    if config.top_query_layer:
+        shapes["top_query_embeddings.weight"] = (positions, h)
+        shapes.update(_layer_shapes("top_query_layer.", h, ffn, {"query": h, "key_value": 2 * h}))
+    return shapes
+
+
+def rank_parameter_shapes(config: ModelConfig, tp_size: int, stage_layers: Sequence[Sequence[int]],
+                          pp_rank: int) -> dict[str, tuple[int, ...]]:
+    """What the model file of any TP rank of pipeline stage ``pp_rank`` holds: that stage's parameters
+    (``stage_layers``: each stage's global layer numbers) with their TP-sharded shapes."""
+    shapes = {}
+    for name, shape in model_parameter_shapes(config).items():
+        if pp_rank in stages_of_name(name, stage_layers):
+            spec = partition_spec(name)
+            if spec is not None:  # split along one dimension (strided blocks each split alike: same total)
+                dim = spec[0]
+                shape = shape[:dim] + (shape[dim] // tp_size,) + shape[dim + 1:]
+            shapes[name] = shape
+    return shapes
+
+
+def state_dict_shapes(state_dict: dict) -> dict[str, tuple[int, ...] | None]:
+    """Name -> shape of each tensor of ``state_dict``; None for a value that is not a tensor."""
+    return {name: tuple(t.shape) if isinstance(t, torch.Tensor) else None for name, t in state_dict.items()}
+
+
+def first_tensor_difference(shapes: dict[str, tuple[int, ...] | None],
+                            expected: dict[str, tuple[int, ...]]) -> str | None:
+    """The first way a checkpoint's tensors (``shapes``: name -> shape, None for a value that is no tensor) differ
+    from ``expected`` (name -> shape), in words ('parameter X has shape (a, b) in the checkpoint, the model built
+    from the flags has (c, d)'); None when they agree. A name only one side has is a difference too."""
+    for name, want in expected.items():
+        if name not in shapes:
+            return f"it lacks parameter {name}, which the model built from the flags has (shape {want})"
+        if shapes[name] is None:
+            return f"parameter {name} is not a tensor"
+        if shapes[name] != want:
+            return (f"parameter {name} has shape {shapes[name]} in the checkpoint, the model built from the flags "
+                    f"has {want}")
+    extra = next((name for name in shapes if name not in expected), None)
+    if extra is not None:
+        return f"it holds parameter {str(extra)[:100]}, which the model built from the flags lacks"
+    return None
+
+
 def type_name(value: object) -> str:
     """'a str', 'an int', ... (what a field holds instead of what it should; never the value itself)."""
     name = "null" if value is None else type(value).__name__
@@ -248,6 +317,12 @@ def _load(path: Path, mmap: bool = False) -> dict:
                               f"must be an integer >= 1)")
     model_config_from(meta.get("model_config"), f"{path}: {META_KEY!r} metadata", meta["tp_size"])  # as when saved
     return state
+
+
+def read_model_file(path: str | os.PathLike) -> dict:
+    """A model file's whole state, memory-mapped (its pickle read, not its tensors' data), checked to hold our
+    layout (``module``, the metadata)."""
+    return _load(Path(path), mmap=True)
 
 
 def saved_num_chunks(meta: dict) -> int:

@@ -29,7 +29,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from codegeex_train.checkpoint.files import META_KEY, checkpoint_tag, read_latest, write_latest
+from codegeex_train.checkpoint.deepspeed_files import IncompleteCheckpoint, Part, TagFiles, check_model_states
+from codegeex_train.checkpoint.files import META_KEY, checkpoint_tag, read_latest, type_name, write_latest
 from codegeex_train.checkpoint.safe_load import CheckpointError, safe_torch_load
 from codegeex_train.checkpoint.train_state import TrainState, rng_state, set_rng_state
 from codegeex_train.config.model import ModelConfig
@@ -229,10 +230,56 @@ def save_checkpoint(engine, save_dir: str, state: TrainState, config: ModelConfi
     return tag
 
 
-def has_optimizer_states(load_dir: str, tag: str) -> bool:
-    """False for a model-only checkpoint (e.g. converted from Hugging Face): load it into the model before
-    ``deepspeed.initialize`` and start the training state afresh."""
-    return any(name.endswith("optim_states.pt") for name in os.listdir(os.path.join(load_dir, tag)))
+def _check_train_state(path, state: object) -> None:
+    """The training state a resume restores (``TrainState``, RNG streams as tensors), checked for its types."""
+    where = f"{path}: train_state"
+    fields = {f.name for f in dataclasses.fields(TrainState)}
+    if not isinstance(state, dict) or not set(state) <= fields or not {"iteration", "consumed_train_samples",
+                                                                       "rng"} <= set(state):
+        raise CheckpointError(f"{where} is not a training state (the fields of TrainState)")
+    for key in ("iteration", "consumed_train_samples"):
+        if type(state[key]) is not int or state[key] < 0:
+            raise CheckpointError(f"{where}: {key} is {type_name(state[key])}, not an integer >= 0")
+    run_id = state.get("wandb_run_id")
+    if run_id is not None and not isinstance(run_id, str):
+        raise CheckpointError(f"{where}: wandb_run_id is {type_name(run_id)}, not a string")
+    rng = state["rng"]
+    if not (isinstance(rng, dict) and isinstance(rng.get("cpu"), torch.Tensor) and isinstance(rng.get("tracker"), dict)
+            and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in rng["tracker"].items())):
+        raise CheckpointError(f"{where}: rng is not the random-number states (tensors under 'cpu' and 'tracker')")
+
+
+def check_training_state(tag: str, files: TagFiles, states: dict[int, dict]) -> int:
+    """Before ``load_checkpoint``: what it reads beyond the weights is there and agrees with the files (``states``:
+    each model-parallel rank's model file, all present): the training state, at the iteration the tag names, and
+    DeepSpeed's fields with the world sizes of the files present. Returns the DP size DeepSpeed recorded (how many
+    ZeRO files each model-parallel rank must have). :class:`IncompleteCheckpoint` (or CheckpointError for a field of
+    the wrong type) otherwise."""
+    path, meta = files.model[0], states[0][META_KEY]
+    if "train_state" not in meta:
+        evidence = "ZeRO optimizer files" if files.zero else "DeepSpeed's fields in the model file"
+        raise IncompleteCheckpoint(f"{path} records no training state (iteration, consumed samples, RNG streams), "
+                                   f"though {evidence} show a training run saved it", Part.TRAINING)
+    _check_train_state(path, meta["train_state"])
+    iteration = meta["iteration"]
+    if meta["train_state"]["iteration"] != iteration:
+        raise IncompleteCheckpoint(f"{path}: its training state is at iteration {meta['train_state']['iteration']}, "
+                                   f"its metadata at {iteration}", Part.TRAINING)
+    if tag.startswith("iter_") and tag != checkpoint_tag(iteration):
+        raise IncompleteCheckpoint(f"{path} records iteration {iteration}, but its tag directory is {tag} (a save at "
+                                   f"iteration {iteration} writes {checkpoint_tag(iteration)}): the files were moved "
+                                   f"or copied over another save's", Part.TRAINING)
+    mp_size, dp_sizes = len(states), set()
+    for mp_rank, state in sorted(states.items()):
+        check_model_states(files.model[mp_rank], state)
+        if state["mp_world_size"] != mp_size:
+            raise IncompleteCheckpoint(f"{files.model[mp_rank]}: DeepSpeed recorded {state['mp_world_size']} "
+                                       f"model-parallel ranks, the metadata TP x PP = {mp_size}", Part.TRAINING)
+        dp_sizes.add(state["dp_world_size"])
+    if len(dp_sizes) != 1 or 0 in dp_sizes:
+        raise IncompleteCheckpoint(f"{files.tag_dir}: its model files record the DP sizes {sorted(dp_sizes)}, not one "
+                                   f"DP size >= 1: files of different saves are mixed in", Part.TRAINING)
+    return dp_sizes.pop()
 
 
 def load_checkpoint(engine, load_dir: str, tag: str, tracker: RNGStatesTracker, *, load_optimizer_states: bool = True,

@@ -7,7 +7,9 @@ cross-section rule in a fixed order and derives the batch arithmetic, before any
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import tempfile
 import warnings
 from dataclasses import dataclass
 
@@ -17,7 +19,18 @@ from codegeex_train.config.recompute import GRANULARITIES as RECOMPUTE_GRANULARI
 from codegeex_train.config.recompute import METHODS as RECOMPUTE_METHODS
 from codegeex_train.config.recompute import MODULES as RECOMPUTE_MODULES
 from codegeex_train.config.recompute import Recompute
-from codegeex_train.config.options import FlagParser, add_foreign_flags, build_parser, dataclass_from_args, option
+from codegeex_train.config.options import (
+    UNIT_OPEN,
+    FlagParser,
+    Range,
+    above,
+    add_foreign_flags,
+    at_least,
+    build_parser,
+    dataclass_from_args,
+    option,
+    out_of_range,
+)
 from codegeex_train.distributed.layout import Layout
 from codegeex_train.distributed.topology import ParallelConfigError, ParallelDims
 from codegeex_train.pipeline.stages import (
@@ -30,6 +43,7 @@ from codegeex_train.pipeline.stages import (
 
 
 HUMANEVAL_LANGUAGES = ("python", "cpp", "java", "js", "go")  # evaluation/languages.py's, checked by a test
+MAX_TIMEOUT_MINUTES = 1e6  # about two years; far above it, timedelta (and the backends' milliseconds) overflow
 
 
 class ConfigError(ValueError):
@@ -41,17 +55,18 @@ class ParallelConfig:
     """Parallelism: TP inside a node, PP across stages, DP (DeepSpeed ZeRO) over the rest."""
 
     tensor_model_parallel_size: int = option(1, "TP size: ranks that split every layer (contiguous ranks, "
-                                             "keep inside a node)")
+                                             "keep inside a node)", bounds=at_least(1))
     pipeline_model_parallel_size: int = option(1, "PP size: pipeline stages (layers split evenly; see the two "
-                                               "flags below for an uneven split)")
+                                               "flags below for an uneven split)", bounds=at_least(1))
     decoder_first_pipeline_num_layers: int | None = option(None, "layers on the first pipeline stage; the rest "
-                                                           "split evenly over the others")
+                                                           "split evenly over the others", bounds=at_least(1))
     decoder_last_pipeline_num_layers: int | None = option(None, "layers on the last pipeline stage (it also holds "
-                                                          "the final LayerNorm, top query layer and output layer)")
+                                                          "the final LayerNorm, top query layer and output layer)",
+                                                          bounds=at_least(1))
     num_layers_per_virtual_pipeline_stage: int | None = option(
         None, "interleaved 1F1B: layers per virtual pipeline stage N; each rank holds v = layers / (PP x N) model "
         "chunks, shrinking the bubble to about (PP - 1) / (v x micro-batches) for v times the point-to-point "
-        "traffic. Needs PP > 1 and micro-batches per step divisible by PP")
+        "traffic. Needs PP > 1 and micro-batches per step divisible by PP", bounds=at_least(1))
     sequence_parallel: bool = option(False, "Megatron's sequence parallelism (TP > 1): the activations between the "
                                      "TP regions (LayerNorms, dropouts, residual adds) are split along the sequence "
                                      "over the TP group; same bytes as TP, about 1/TP of their memory. "
@@ -59,21 +74,23 @@ class ParallelConfig:
     distributed_backend: str = option("auto", "torch.distributed backend; auto = nccl on GPU, gloo on CPU",
                                       choices=("auto", "nccl", "gloo"))
     distributed_timeout_minutes: float = option(10.0, "bound on every wait: forming the job (a node that "
-                                                "never joins) and each collective (a peer that stopped)")
+                                                "never joins) and each collective (a peer that stopped)",
+                                                bounds=Range(0, MAX_TIMEOUT_MINUTES, lo_open=True))
 
 
 @dataclass
 class TrainConfig:
     """Training: batch arithmetic, iterations, precision, checkpoints, evaluation."""
 
-    micro_batch_size: int = option(4, "sequences per micro-batch per data-parallel rank")
+    micro_batch_size: int = option(4, "sequences per micro-batch per data-parallel rank", bounds=at_least(1))
     global_batch_size: int | None = option(None, "sequences per optimizer step over all ranks "
-                                           "(default: micro batch x DP)")
+                                           "(default: micro batch x DP)", bounds=at_least(1))
     num_microbatches: int | None = option(None, "micro-batches per step per DP rank; optional, must equal "
-                                          "global / (micro x DP)")
-    seq_length: int = option(512, "tokens per training sequence")
-    train_iters: int = option(100, "optimizer steps to train")
-    seed: int = option(1234, "random seed (initialisation, data order, dropout)")
+                                          "global / (micro x DP)", bounds=at_least(1))
+    seq_length: int = option(512, "tokens per training sequence", bounds=at_least(1))
+    train_iters: int = option(100, "optimizer steps to train", bounds=at_least(1))
+    seed: int = option(1234, "random seed (initialisation, data order, dropout)",
+                       bounds=Range(0, 2**32 - 1))  # numpy's RandomState orders the data
     fp16: bool = option(False, "fp16 mixed precision with dynamic loss scaling (GPU)")
     bf16: bool = option(False, "bf16 mixed precision")
     checkpoint_activations: bool = option(False, "recompute each layer's activations in backward (= "
@@ -85,7 +102,8 @@ class TrainConfig:
                                           "--recompute-num-layers (default), block = only the first "
                                           "--recompute-num-layers layers of each stage", choices=RECOMPUTE_METHODS)
     recompute_num_layers: int | None = option(None, "full recompute: layers per unit (uniform) or layers "
-                                              "recomputed per stage (block); default 1")
+                                              "recomputed per stage (block), 1..--num-layers; default 1")
+    # (its range depends on --num-layers: recompute_from_args checks it)
     recompute_modules: list[str] | None = option(None, "selective recompute: any of core_attn (the attention "
                                                  "core, default), mlp_act (the MLP activation's output), layernorm "
                                                  "(the LayerNorm outputs)")
@@ -103,13 +121,17 @@ class TrainConfig:
                                  "checkpoint saved at another data-parallel size then loads too")
     no_load_rng: bool = option(False, "with --load, restore everything but the random-number states: dropout and "
                                "the other random streams start from --seed")
-    save_interval: int | None = option(None, "save every N iterations (and always at the end when --save)")
-    eval_interval: int = option(1000, "evaluate on the validation split every N iterations")
-    eval_iters: int = option(10, "validation batches per evaluation")
+    save_interval: int | None = option(None, "save every N iterations (and always at the end when --save; 0: only "
+                                        "at the end)", bounds=at_least(0))
+    eval_interval: int = option(1000, "evaluate on the validation split every N iterations (0: never)",
+                                bounds=at_least(0))
+    eval_iters: int = option(10, "validation batches per evaluation (0: no validation or test)", bounds=at_least(0))
     eval_humaneval_interval: int | None = option(None, "greedy HumanEval pass@1 every N iterations, on the first "
-                                                 "--eval-humaneval-tasks problems (PP 1)")
-    eval_humaneval_tasks: int = option(20, "HumanEval problems scored by --eval-humaneval-interval")
-    eval_humaneval_max_new_tokens: int = option(128, "tokens generated per problem by --eval-humaneval-interval")
+                                                 "--eval-humaneval-tasks problems (PP 1)", bounds=at_least(1))
+    eval_humaneval_tasks: int = option(20, "HumanEval problems scored by --eval-humaneval-interval",
+                                       bounds=Range(1, 164))
+    eval_humaneval_max_new_tokens: int = option(128, "tokens generated per problem by --eval-humaneval-interval",
+                                                bounds=at_least(1))
     eval_humaneval_languages: tuple[str, ...] = option(
         ("python",), "the languages --eval-humaneval-interval scores, each on its first --eval-humaneval-tasks "
         "problems: python (HumanEval; humaneval_pass@1) and HumanEval-X's cpp, java, js, go "
@@ -124,18 +146,24 @@ class TrainConfig:
     deepspeed_config: str | None = option(None, "a DeepSpeed JSON to start from; the flags fill in and must "
                                           "agree with batch sizes, clipping, precision and ZeRO stage")
     zero_stage: int = option(2, "DeepSpeed ZeRO stage", choices=(0, 1, 2))
-    exit_interval: int | None = option(None, "stop after this many iterations of this run (for tests)")
+    exit_interval: int | None = option(None, "stop after this many iterations of this run (for tests)",
+                                        bounds=at_least(1))
     exit_signal_handler: bool = option(False, "on SIGTERM (preemption) finish the iteration, save a checkpoint "
                                        "(with --save) and exit 0; all ranks stop at the same iteration")
     exit_duration_in_mins: float | None = option(None, "stop the same way once this run has taken this many "
-                                                 "minutes (set it below the job's wall-clock limit)")
+                                                 "minutes (set it below the job's wall-clock limit)",
+                                                 bounds=above(0))
     check_for_nan_in_loss_and_grad: bool = option(True, "stop with an error (exit 1, nothing saved) at the first "
                                                   "iteration whose loss or gradient norm is NaN or Inf, checked "
                                                   "every iteration (one all-reduce of a few integers and a host "
                                                   "sync); with --no-check-for-nan-in-loss-and-grad only at "
                                                   "iterations that log or save (never a checkpoint unchecked)")
     max_consecutive_skipped_iterations: int = option(20, "fp16: stop with an error when more than this many steps "
-                                                     "in a row are skipped by dynamic loss scaling (0: no limit)")
+                                                     "in a row are skipped by dynamic loss scaling (0: no limit)",
+                                                     bounds=at_least(0))
+    skip_memory_check: bool = option(False, "start even when the memory estimate (model state, activations, sample "
+                                     "index; checked before anything is built) exceeds what this host or GPU has "
+                                     "free")
 
 
 @dataclass
@@ -143,19 +171,20 @@ class OptimConfig:
     """Optimizer and learning-rate schedule."""
 
     optimizer: str = option("adam", "adam = AdamW (decoupled weight decay), or sgd", choices=("adam", "sgd"))
-    lr: float = option(3e-4, "peak learning rate", flags=("--lr", "--learning-rate"))
-    min_lr: float = option(0.0, "learning rate at the end of the decay")
+    lr: float = option(3e-4, "peak learning rate", flags=("--lr", "--learning-rate"), bounds=at_least(0))
+    min_lr: float = option(0.0, "learning rate at the end of the decay", bounds=at_least(0))
     lr_decay_style: str = option("cosine", "decay after warm-up", choices=("constant", "linear", "cosine"))
-    lr_decay_iters: int | None = option(None, "iterations of warm-up plus decay (default: --train-iters)")
-    lr_warmup_iters: int = option(0, "linear warm-up iterations")
+    lr_decay_iters: int | None = option(None, "iterations of warm-up plus decay (default: --train-iters)",
+                                         bounds=at_least(1))
+    lr_warmup_iters: int = option(0, "linear warm-up iterations", bounds=at_least(0))
     lr_warmup_fraction: float | None = option(None, "warm-up as a fraction of --lr-decay-iters "
-                                              "(instead of --lr-warmup-iters)")
-    weight_decay: float = option(0.01, "AdamW weight decay (not applied to biases and norms)")
-    clip_grad: float = option(1.0, "clip the global gradient norm to this (0 disables)")
-    adam_beta1: float = option(0.9, "Adam beta1")
-    adam_beta2: float = option(0.999, "Adam beta2")
-    adam_eps: float = option(1e-8, "Adam epsilon")
-    sgd_momentum: float = option(0.9, "SGD momentum")
+                                              "(instead of --lr-warmup-iters)", bounds=Range(0, 1))
+    weight_decay: float = option(0.01, "AdamW weight decay (not applied to biases and norms)", bounds=at_least(0))
+    clip_grad: float = option(1.0, "clip the global gradient norm to this (0 disables)", bounds=at_least(0))
+    adam_beta1: float = option(0.9, "Adam beta1", bounds=UNIT_OPEN)
+    adam_beta2: float = option(0.999, "Adam beta2", bounds=UNIT_OPEN)
+    adam_eps: float = option(1e-8, "Adam epsilon", bounds=above(0))
+    sgd_momentum: float = option(0.9, "SGD momentum", bounds=UNIT_OPEN)
 
 
 TOKENIZER_TYPES = ("HFTokenizer", "GPT2BPETokenizer", "SentencePieceTokenizer", "CodeGeeXTokenizer")  # data.tokenizer's
@@ -182,21 +211,22 @@ class DataConfig:
     merge_file: str | None = option(None, "GPT-2 merges.txt (GPT2BPETokenizer, CodeGeeXTokenizer)")
     whitespace_encoding: bool = option(False, "CodeGeeX's whitespace tokens for runs of spaces (always on with "
                                        "CodeGeeXTokenizer)")
-    num_workers: int = option(2, "DataLoader worker processes")
+    num_workers: int = option(2, "DataLoader worker processes (0: load in the training process)",
+                              bounds=at_least(0))
 
 
 @dataclass
 class LoggingConfig:
     """Logging: console, a JSON-lines metrics file and wandb."""
 
-    log_interval: int = option(10, "log one line every N iterations")
+    log_interval: int = option(10, "log one line every N iterations", bounds=at_least(1))
     metrics_file: str | None = option(None, "JSON-lines metrics (default: <save>/metrics.jsonl)")
     wandb_project: str | None = option(None, "log to this wandb project (offline when no key or network)")
     wandb_name: str | None = option(None, "wandb run name")
     wandb_dir: str | None = option(None, "where wandb writes its files (default: <save> or the cwd)")
     progress_bar: bool = option(True, "show a progress bar on the logging rank")
     peak_tflops: float | None = option(None, "the device's peak dense TFLOP/s at the training precision, to "
-                                       "report MFU (e.g. 989 for an H100 SXM in bf16)")
+                                       "report MFU (e.g. 989 for an H100 SXM in bf16)", bounds=above(0))
 
 
 SECTIONS = {
@@ -278,16 +308,60 @@ def recompute_from_args(args: Args) -> Recompute:
                      tuple(dict.fromkeys(t.recompute_modules or ("core_attn",))))
 
 
+def check_ranges(args: Args) -> None:
+    """Every flag against the range its field declares (``option(bounds=...)``), and --split; one ConfigError
+    listing every value out of range, so a script is fixed in one go."""
+    problems = [p for name in SECTIONS for p in out_of_range(getattr(args, name))]
+    split = split_problem(args.data.split)
+    if split:
+        problems.append(split)
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def split_problem(split: str) -> str | None:
+    """What is wrong with a --split (Megatron's 'train,valid,test' weights, ',' or '/' between them; missing
+    trailing ones are 0, as in Megatron), or None."""
+    parts = split.split("/" if "/" in split else ",")
+    try:
+        weights = [float(part) for part in parts]
+    except ValueError:
+        weights = []
+    # (a NaN fails `>= 0`, an infinity makes the sum infinite; an empty entry, '1,,2', is refused, not skipped)
+    if not 1 <= len(weights) <= 3 or not all(w >= 0 for w in weights) or not 0 < sum(weights) < math.inf:
+        return (f"--split {split!r} must be 1 to 3 non-negative numbers with a positive sum, the train,valid,test "
+                f"proportions of the documents, e.g. 969,30,1 or 98,2")
+    return None
+
+
+def check_save_dir(save: str) -> None:
+    """--save must be a directory this process can write, or creatable: checked by making (and removing) a
+    directory in it or in its nearest existing parent, so nothing is left behind. (Root ignores permission bits,
+    not a read-only or immutable file system: a real write is the one test that holds for both.)"""
+    path = os.path.abspath(save)
+    existing = path
+    while not os.path.lexists(existing):  # (a dangling link counts: nothing can be created in its place)
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        where = "is not a directory" if existing == path else f"is under {existing}, which is not a directory"
+        raise ConfigError(f"--save {save} {where}: give a directory (it is created when missing)")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".codegeex-write-test-", dir=existing))
+    except OSError as e:
+        where = "it" if existing == path else f"{existing}, its nearest existing parent"
+        raise ConfigError(f"--save {save}: cannot write in {where} ({e.strerror}): choose a directory this user "
+                          f"can write to, or make it writable") from None
+
+
 def validate(args: Args, world_size: int) -> Layout:
-    """Every rule that spans sections, in order; raises ConfigError naming the flags."""
+    """Every flag's range, then every rule that spans sections, in order; raises ConfigError naming the flags."""
     t, o, d = args.train, args.optim, args.data
+    check_ranges(args)
     try:
         dims = ParallelDims(world_size, args.parallel.tensor_model_parallel_size,
                             args.parallel.pipeline_model_parallel_size)
     except ParallelConfigError as e:
         raise ConfigError(str(e)) from None
-    if t.micro_batch_size < 1 or t.train_iters < 1 or t.seq_length < 1:
-        raise ConfigError("--micro-batch-size, --train-iters and --seq-length must be >= 1")
     per_step = t.micro_batch_size * dims.dp_size
     global_batch = t.global_batch_size or per_step * (t.num_microbatches or 1)
     if global_batch % per_step:
@@ -356,19 +430,7 @@ def validate(args: Args, world_size: int) -> Layout:
         elif t.seq_length % dims.tp_size:
             raise ConfigError(f"--sequence-parallel splits --seq-length {t.seq_length} over --tensor-model-parallel-"
                               f"size {dims.tp_size}: use a sequence length divisible by {dims.tp_size}")
-    if args.parallel.distributed_timeout_minutes <= 0:
-        raise ConfigError(f"--distributed-timeout-minutes {args.parallel.distributed_timeout_minutes} must be "
-                          f"above 0 (it bounds every wait; Megatron's default is 10)")
-    if t.max_consecutive_skipped_iterations < 0:
-        raise ConfigError(f"--max-consecutive-skipped-iterations {t.max_consecutive_skipped_iterations} must be >= 0 "
-                          f"(0: no limit)")
-    if t.exit_duration_in_mins is not None and t.exit_duration_in_mins <= 0:
-        raise ConfigError(f"--exit-duration-in-mins {t.exit_duration_in_mins} must be above 0")
     if t.eval_humaneval_interval is not None:
-        if (t.eval_humaneval_interval < 1 or not 1 <= t.eval_humaneval_tasks <= 164
-                or t.eval_humaneval_max_new_tokens < 1):
-            raise ConfigError("--eval-humaneval-interval must be >= 1, --eval-humaneval-tasks within 1..164 and "
-                              "--eval-humaneval-max-new-tokens >= 1")
         unknown = [lang for lang in t.eval_humaneval_languages if lang not in HUMANEVAL_LANGUAGES]
         if unknown:
             raise ConfigError(f"--eval-humaneval-languages {' '.join(unknown)}: expected some of "
@@ -379,4 +441,6 @@ def validate(args: Args, world_size: int) -> Layout:
                               f"tools/evaluate_humaneval.py after gathering them to PP 1")
     if t.load is not None and not os.path.isdir(t.load):
         raise ConfigError(f"--load {t.load}: no such directory")
+    if t.save is not None:
+        check_save_dir(t.save)
     return Layout(dims, t.micro_batch_size, num_microbatches, stage_layers, num_chunks, chunk_layers)

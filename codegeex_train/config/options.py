@@ -3,7 +3,9 @@
 A field declared with ``option(default, "help text", flags=("--lr", "--learning-rate"))`` becomes an
 argparse flag; the first spelling defaults to Megatron's ``--field-name``. ``bool`` fields become
 ``store_true`` flags (``--x/--no-x`` when they default to True), ``list`` fields take several values, ``X | None`` fields are optional.
-Every flag's help shows its default (zeros and False included) and its choices.
+Every flag's help shows its default (zeros and False included) and its choices. A numeric field declares its allowed
+values with ``bounds=`` (a ``Range``: ``at_least(1)``, ``above(0)``, ``Range(0, 1, hi_open=True)``); ``out_of_range``
+checks every field of a section against them (and refuses NaN and infinities), so the rules live beside the fields.
 
 ``FlagParser`` is argparse with errors a person reads: one ``error:`` line (no usage dump) that names the flag and,
 for a misspelt one, the closest known flag. ``add_foreign_flags`` teaches it another program's spellings
@@ -17,6 +19,7 @@ import argparse
 import dataclasses
 import difflib
 import fnmatch
+import math
 import sys
 import types
 import typing
@@ -24,10 +27,55 @@ from collections.abc import Callable
 from typing import Any
 
 
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The values a numeric flag allows: ``lo``..``hi`` (None: unbounded), each end closed unless marked open."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        if isinstance(value, float) and not math.isfinite(value):
+            return False  # NaN compares false with everything; an infinite rate or size is never meant
+        if self.lo is not None and (value < self.lo or self.lo_open and value == self.lo):
+            return False
+        return self.hi is None or value < self.hi or not self.hi_open and value == self.hi
+
+    def __str__(self) -> str:
+        """'>= 1', '> 0', 'in [0, 1)', 'in [0, 4294967295]': what an error line says the value must be."""
+        lo, hi = _number(self.lo), _number(self.hi)
+        if self.lo is not None and self.hi is not None:
+            return f"in {'(' if self.lo_open else '['}{lo}, {hi}{')' if self.hi_open else ']'}"
+        if self.lo is not None:
+            return f"{'>' if self.lo_open else '>='} {lo}"
+        if self.hi is not None:
+            return f"{'<' if self.hi_open else '<='} {hi}"
+        return "a finite number"
+
+
+def _number(x: float | None) -> str:
+    return "" if x is None else str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+UNIT_OPEN = Range(0, 1, hi_open=True)  # a probability that must leave something: dropout, Adam's betas, momentum
+
+
+def at_least(lo: float) -> Range:
+    return Range(lo)
+
+
+def above(lo: float) -> Range:
+    return Range(lo, lo_open=True)
+
+
 def option(default: Any = dataclasses.MISSING, help: str = "", *, flags: tuple[str, ...] = (),
-           choices: tuple[Any, ...] | None = None, default_factory: Any = dataclasses.MISSING) -> Any:
-    """A dataclass field that carries its command-line help and flag spellings."""
-    meta = {"help": help, "flags": flags, "choices": choices}
+           choices: tuple[Any, ...] | None = None, default_factory: Any = dataclasses.MISSING,
+           bounds: Range | None = None) -> Any:
+    """A dataclass field that carries its command-line help, flag spellings and, for a number, its allowed range
+    (``out_of_range`` checks it; ``None``, an unset optional flag, is always allowed)."""
+    meta = {"help": help, "flags": flags, "choices": choices, "bounds": bounds}
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -35,6 +83,31 @@ def option(default: Any = dataclasses.MISSING, help: str = "", *, flags: tuple[s
 
 def _flags(f: dataclasses.Field) -> tuple[str, ...]:
     return f.metadata.get("flags") or ("--" + f.name.replace("_", "-"),)
+
+
+def flag_name(f: dataclasses.Field) -> str:
+    """The flag an error line names: the field's first spelling (``--lr``, ``--num-layers``)."""
+    return _flags(f)[0]
+
+
+def out_of_range(section: Any) -> list[str]:
+    """One message per field of the dataclass instance ``section`` whose value lies outside its ``bounds`` or is a
+    NaN or infinity (any float field), e.g. '--adam-beta1 2.0 must be in [0, 1) (default 0.9)'; [] when every
+    value fits."""
+    problems = []
+    for f in dataclasses.fields(section):
+        value, bounds = getattr(section, f.name), f.metadata.get("bounds")
+        values = value if isinstance(value, (list, tuple)) else [value]
+        for v in values:
+            if v is None or isinstance(v, bool) or not isinstance(v, (int, float)):
+                continue  # unset, a switch, or not a number
+            finite = not isinstance(v, float) or math.isfinite(v)
+            if finite and (bounds is None or v in bounds):
+                continue
+            must = str(bounds) if finite else "a finite number" + (f" {bounds}" if bounds is not None else "")
+            default = "" if f.default in (None, dataclasses.MISSING) else f" (default {f.default})"
+            problems.append(f"{flag_name(f)} {v} must be {must}{default}")
+    return problems
 
 
 def _base_type(tp: Any) -> tuple[Any, bool]:

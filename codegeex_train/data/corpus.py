@@ -10,6 +10,11 @@ source files (matched by extension, directories searched recursively in sorted o
 document per file, optionally prefixed with a CodeGeeX language tag (`# language: Python`).
 Directories yield the files whose extension is in `extensions`, so `extensions=(".jsonl",)`
 reads a directory of JSON lines files.
+
+JSON lines are read as bytes, one line at a time, so a bad line (invalid UTF-8 or JSON, nested too
+deeply, not an object, no string field, a lone surrogate the tokenizer cannot take) is reported at
+its true line number and can be skipped like any other. `max_chars` drops documents longer than
+that before they reach a tokenizer, and before a huge line or file is read whole.
 """
 
 import dataclasses
@@ -17,6 +22,9 @@ import gzip
 import json
 import logging
 import os
+import re
+import sys
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -57,9 +65,12 @@ class CorpusStats:
     files: int = 0
     documents: int = 0
     skipped: int = 0
-    """Bad records (invalid JSON, missing/non-string field, undecodable file) skipped."""
+    """Bad records skipped: JSON lines that are not UTF-8, not JSON, nested too deeply, not an
+    object, without a string field or with a lone surrogate; text/source files that are not UTF-8."""
     empty: int = 0
     """Empty documents, always dropped."""
+    oversized: int = 0
+    """Documents longer than `max_chars`, dropped."""
 
 
 def language_header(path: str | Path) -> str:
@@ -85,10 +96,8 @@ def _kind(path: Path, extensions: tuple[str, ...]) -> str:
     )
 
 
-def _open_text(path: Path) -> IO[str]:
-    if path.name.lower().endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, encoding="utf-8")
+def _open_binary(path: Path) -> IO[bytes]:
+    return gzip.open(path, "rb") if path.name.lower().endswith(".gz") else open(path, "rb")
 
 
 def expand_inputs(inputs: list[str], extensions: tuple[str, ...] = (".py",)) -> list[Path]:
@@ -112,30 +121,80 @@ def _bad(message: str, skip_bad_lines: bool, stats: CorpusStats) -> None:
     stats.skipped += 1
 
 
+class _BadRecord(Exception):
+    """What is wrong with one record (the caller adds file and line)."""
+
+
+# JSON spends at most 12 bytes on one character (an escaped surrogate pair, "\ud83d\ude00") and
+# UTF-8 at most 4: a longer line or file cannot hold a document within `max_chars` (the 1 MiB is
+# room for a JSON line's other fields), so it is skipped unread instead of being held in memory.
+_JSON_BYTES_PER_CHAR = 12
+_JSON_OTHER_FIELDS_BYTES = 1 << 20
+_UTF8_BYTES_PER_CHAR = 4
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # json.loads joins valid pairs; these remain
+_JSON_TYPES = {list: "array", str: "string", int: "number", float: "number", bool: "boolean",
+               type(None): "null"}
+
+
+def _json_document(line: bytes, first_line: bool, key: str) -> str | None:
+    """The string in field `key` of one JSON line (None for a blank line); _BadRecord if none."""
+    try:  # a byte-order mark is tolerated at the start of the file only
+        decoded = line.decode("utf-8-sig" if first_line else "utf-8")
+    except UnicodeDecodeError as e:
+        raise _BadRecord(f"not UTF-8 ({e.reason} at byte {e.start})") from None
+    try:
+        record = json.loads(decoded)
+    except RecursionError:
+        raise _BadRecord("JSON nested too deeply") from None
+    except json.JSONDecodeError as e:
+        if not decoded.strip():  # checked here, not on every line: a blank line is rare
+            return None
+        raise _BadRecord(f"not valid JSON ({e.msg})") from None
+    except ValueError:  # Python refuses integers of more than sys.get_int_max_str_digits() digits
+        raise _BadRecord(f"an integer of more than {sys.get_int_max_str_digits()} digits") from None
+    if not isinstance(record, dict):
+        raise _BadRecord(f"not a JSON object (a JSON {_JSON_TYPES.get(type(record), 'value')})")
+    text = record.get(key)
+    if not isinstance(text, str):
+        raise _BadRecord(f"no string field {key!r}")
+    if not text.isascii() and _LONE_SURROGATE.search(text):  # isascii() is O(1), and most code is ASCII
+        raise _BadRecord(f"field {key!r} holds a lone surrogate (a \\ud800-\\udfff escape): not text")
+    return text
+
+
+def _skip_rest_of_line(f: IO[bytes]) -> None:
+    while (chunk := f.readline(1 << 16)) and not chunk.endswith(b"\n"):
+        pass
+
+
+def _iter_json_lines(
+    path: Path, key: str, skip: bool, stats: CorpusStats, max_chars: int = 0
+) -> Iterator[str]:
+    cap = max_chars * _JSON_BYTES_PER_CHAR + _JSON_OTHER_FIELDS_BYTES if max_chars else -1
+    lineno = 0
+    try:
+        with _open_binary(path) as f:
+            while line := f.readline(cap):
+                lineno += 1
+                if len(line) == cap and not line.endswith(b"\n"):
+                    line = b""  # hold no part of it while skipping the rest
+                    _skip_rest_of_line(f)
+                    stats.oversized += 1
+                    continue
+                try:
+                    text = _json_document(line, lineno == 1, key)
+                except _BadRecord as e:
+                    _bad(f"{path}:{lineno}: {e}", skip, stats)
+                    continue
+                if text is not None:
+                    yield text
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:  # truncated or corrupt .gz
+        raise CorpusError(f"{path}: cannot read past line {lineno}: {e}") from e
+
+
 def _field(record: Any, key: str) -> str | None:
     value = record.get(key) if isinstance(record, dict) else None
     return value if isinstance(value, str) else None
-
-
-def _iter_json_lines(path: Path, key: str, skip: bool, stats: CorpusStats) -> Iterator[str]:
-    lineno = 0
-    with _open_text(path) as f:
-        try:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    _bad(f"{path}:{lineno}: not valid JSON ({e.msg})", skip, stats)
-                    continue
-                text = _field(record, key)
-                if text is None:
-                    _bad(f"{path}:{lineno}: no string field {key!r}", skip, stats)
-                    continue
-                yield text
-        except (UnicodeDecodeError, EOFError, gzip.BadGzipFile) as e:
-            raise CorpusError(f"{path}: cannot read past line {lineno}: {e}") from e
 
 
 def _iter_parquet(path: Path, key: str, skip: bool, stats: CorpusStats) -> Iterator[str]:
@@ -157,7 +216,10 @@ def _iter_parquet(path: Path, key: str, skip: bool, stats: CorpusStats) -> Itera
         raise CorpusError(f"{path}: cannot read past row {row_number} as parquet: {e}") from e
 
 
-def _read_whole(path: Path, skip: bool, stats: CorpusStats) -> str | None:
+def _read_whole(path: Path, skip: bool, stats: CorpusStats, max_chars: int = 0) -> str | None:
+    if max_chars and path.stat().st_size > max_chars * _UTF8_BYTES_PER_CHAR:
+        stats.oversized += 1
+        return None
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
@@ -172,12 +234,14 @@ def iter_documents(
     language_tag: bool = False,
     skip_bad_lines: bool = False,
     stats: CorpusStats | None = None,
+    max_chars: int = 0,
 ) -> Iterator[str]:
     """Yield document texts from files and directories, in input order (see the module doc).
 
     JSON and parquet documents come from field `json_keys[0]`; to read another field, call again
-    with it first. Empty documents are dropped. Bad records raise CorpusError naming the file
-    and line, or are skipped and counted in `stats` (and a warning) with `skip_bad_lines`.
+    with it first. Empty documents are dropped, and so are documents of more than `max_chars`
+    characters (0: no limit), counted in `stats.oversized`. Bad records raise CorpusError naming
+    the file and line, or are skipped and counted in `stats` (and a warning) with `skip_bad_lines`.
     """
     stats = stats if stats is not None else CorpusStats()
     key = json_keys[0]
@@ -185,11 +249,11 @@ def iter_documents(
         stats.files += 1
         kind = _kind(path, extensions)
         if kind == "json":
-            texts: Iterator[str] = _iter_json_lines(path, key, skip_bad_lines, stats)
+            texts: Iterator[str] = _iter_json_lines(path, key, skip_bad_lines, stats, max_chars)
         elif kind == "parquet":
             texts = _iter_parquet(path, key, skip_bad_lines, stats)
         else:
-            text = _read_whole(path, skip_bad_lines, stats)
+            text = _read_whole(path, skip_bad_lines, stats, max_chars)
             if text and kind == "source" and language_tag:
                 text = language_header(path) + text
             texts = iter([] if text is None else [text])
@@ -197,13 +261,18 @@ def iter_documents(
             if not doc:
                 stats.empty += 1
                 continue
+            if max_chars and len(doc) > max_chars:
+                stats.oversized += 1
+                continue
             stats.documents += 1
             yield doc
     if stats.skipped:
         logger.warning("skipped %d bad records in %s", stats.skipped, inputs)
     if stats.documents == 0:
+        oversized = f"; {stats.oversized} longer than {max_chars} characters" if stats.oversized else ""
         raise CorpusError(
-            f"no documents found in {inputs} (json field {key!r}, source extensions {extensions})"
+            f"no documents found in {inputs} (json field {key!r}, source extensions {extensions}"
+            f"{oversized})"
         )
 
 

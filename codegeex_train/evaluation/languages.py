@@ -20,16 +20,35 @@ Generation stops at ``"\\n}"`` in the brace languages: the brace that closes the
 methods are indented, so there it is the class's). The generator drops the stop string, so ``close`` puts
 back the braces a completion leaves open, at most the ones CodeGeeX's own clean-up adds (one; Java two); a
 completion that already closes them (a canonical solution, CodeGeeX's generations) is used as it is.
+
+Scoring (``SCORINGS``). ``codegeex``: CodeGeeX's rule, a program passes when it exits 0 (JavaScript: and prints
+nothing), so a completion that exits 0 before the tests run (``exit(0)``, ``System.exit(0)``, ``process.exit(0)``,
+in ``init()`` or a static initializer) passes. ``strict`` (the default): the harness draws a one-time token per
+sample (``secrets.token_hex``) and the program reports it as its very last act, after the tests returned
+normally; the sample passes only if it exits 0 and the token is the last line of its output (JavaScript: the
+only output). ``build_program(..., token=...)`` adds the report:
+
+========  ==============================================================================================
+cpp       a local object constructed first thing in the test's ``main``; its destructor prints the token when
+          ``main`` returns (not on ``exit``/``_Exit``/``abort``, nor while an exception unwinds)
+java      a class ``CodegeexVerdict_`` whose ``main`` calls ``Main.main`` and then prints it (the JVM runs it)
+js        a last top-level statement (``fs.writeSync``) after the test's calls
+go        a ``TestMain`` that prints it when ``m.Run()`` returned 0 (``init()`` runs before it)
+python    nothing in the program: the sandbox's bootstrap writes the token to a pipe when ``exec`` returns
+========  ==============================================================================================
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from codegeex_train.generation.text import HUMANEVAL_STOP
 
-__all__ = ["LANGUAGES", "Language", "build_program", "close", "get_language", "parse_languages"]
+__all__ = ["LANGUAGES", "SCORINGS", "Language", "build_program", "close", "get_language", "parse_languages"]
+
+SCORINGS = ("strict", "codegeex")  # ours (the default), CodeGeeX's (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -117,7 +136,73 @@ def _go(problem: Mapping[str, str], completion: str) -> str:
 
 _ASSEMBLE = {"python": _python, "cpp": _cpp, "java": _java_or_js, "js": _java_or_js, "go": _go}
 
+# The token reports (strict scoring). Each flushes what the program printed first, so that the token is the
+# output's last line; the leading newline puts it on a line of its own.
+_CPP_MAIN = re.compile(r"\bint\s+main\s*\([^)]*\)\s*\{")
+_CPP_VERDICT = """#include<cstdio>
+#include<exception>
+#include<iostream>
+struct CodegeexVerdict_ {{
+    ~CodegeexVerdict_() {{
+        if (std::uncaught_exception()) return;
+        std::cout.flush(); std::cerr.flush(); std::fflush(NULL);
+        std::fputs("\\n{token}\\n", stdout); std::fflush(stdout);
+    }}
+}};
+"""
+_JAVA_VERDICT = """
+class CodegeexVerdict_ {{
+    public static void main(String[] args) throws Throwable {{
+        Main.main(args);
+        System.out.flush(); System.err.flush();
+        System.out.print("\\n{token}\\n"); System.out.flush();
+    }}
+}}
+"""
+_GO_VERDICT = """
+func TestMain(m *testing.M) {{
+    code := m.Run()
+    if code == 0 {{
+        codegeexos.Stdout.WriteString("\\n{token}\\n")
+    }}
+    codegeexos.Exit(code)
+}}
+"""
 
-def build_program(language: str, problem: Mapping[str, str], completion: str) -> str:
-    """The source text that tests ``completion`` of ``problem`` (the brace languages' closed first)."""
-    return _ASSEMBLE[get_language(language).name](problem, close(language, completion))
+
+def _cpp_verdict(problem: Mapping[str, str], completion: str, token: str) -> str:
+    test = problem["test"]
+    found = _CPP_MAIN.search(test)
+    if found is None:
+        raise ValueError(f"{problem['task_id']}: its test has no `int main(...) {{` to report the verdict from "
+                         f"(--scoring codegeex runs it as it is)")
+    test = (test[:found.start()] + _CPP_VERDICT.format(token=token) + test[found.start():found.end()]
+            + " CodegeexVerdict_ codegeex_verdict_;" + test[found.end():])
+    return _cpp({**problem, "test": test}, completion)
+
+
+def _go_verdict(problem: Mapping[str, str], completion: str, token: str) -> str:
+    # An import of its own name: a completion gains no `os` it would not have had (GO_PACKAGES).
+    program, setup = _go(problem, completion), problem["test_setup"]
+    return setup + '\nimport codegeexos "os"\n' + program[len(setup):] + _GO_VERDICT.format(token=token)
+
+
+_VERDICT = {  # (problem, completion, token) -> the program that reports the token
+    "python": lambda problem, completion, token: _python(problem, completion),  # the bootstrap reports
+    "cpp": _cpp_verdict,
+    "java": lambda problem, completion, token: _java_or_js(problem, completion) + _JAVA_VERDICT.format(token=token),
+    "js": lambda problem, completion, token: (_java_or_js(problem, completion)
+                                              + f'\n;require("fs").writeSync(1, "{token}\\n");\n'),
+    "go": _go_verdict,
+}
+
+
+def build_program(language: str, problem: Mapping[str, str], completion: str, token: str | None = None) -> str:
+    """The source text that tests ``completion`` of ``problem`` (the brace languages' closed first); with
+    ``token`` (strict scoring, hex digits), one that prints it as its last act once the tests returned."""
+    name, completion = get_language(language).name, close(language, completion)
+    if token is None:
+        return _ASSEMBLE[name](problem, completion)
+    if not re.fullmatch(r"[0-9a-f]+", token):
+        raise ValueError(f"token {token!r}: expected hex digits (it is written into source code)")
+    return _VERDICT[name](problem, completion, token)

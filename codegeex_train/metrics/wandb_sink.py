@@ -76,12 +76,12 @@ class WandbSink:
         secrets = secret_values(environ)
         kwargs = dict(project=project, name=redact_secrets(name, secrets), dir=directory, id=run_id or new_run_id(),
                       resume="allow", config=redact_secrets(run_config, secrets))
-        # wandb stores the command line (and host, git state, ...) as run metadata; a credential's value on the
-        # command line turns that record off.
-        leaky_argv = any(secret in arg for secret in secrets for arg in sys.argv)
+        # wandb stores the command line (and host, git state, ...) as run metadata; a credential on the command
+        # line (an environment credential's value, or one inside a URL) turns that record off.
+        leaky_argv = any(redact_secrets(arg, secrets) != arg for arg in sys.argv)
         if leaky_argv:
-            logger.warning("a credential from the environment appears on the command line: wandb will not record "
-                           "the run's metadata (command line, host, git state)")
+            logger.warning("a credential appears on the command line: wandb will not record the run's metadata "
+                           "(command line, host, git state)")
         mode = choose_wandb_mode(environ)
         try:
             self.run = wandb.init(mode=mode, settings=wandb.Settings(init_timeout=init_timeout,

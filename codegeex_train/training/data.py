@@ -13,11 +13,8 @@ from codegeex_train.data.gpt_dataset import (
 )
 from codegeex_train.data.indexed_dataset import IndexedDatasetError, MMapIndexedDataset
 from codegeex_train.data.sampler import build_pretraining_data_loader
+from codegeex_train.data.token_range import TokenIdError, check_token_ids
 from codegeex_train.distributed.layout import Layout
-
-# Token ids checked against the vocabulary at start-up: enough to catch data made with another
-# tokenizer, cheap enough (a memmap max) to never matter.
-_TOKENS_CHECKED = 1 << 24
 
 
 def _prefixes(cfg: DataConfig) -> list[tuple[str, str]]:
@@ -34,7 +31,8 @@ def _prefixes(cfg: DataConfig) -> list[tuple[str, str]]:
 
 
 def preflight_data(cfg: DataConfig, padded_vocab_size: int) -> None:
-    """Fail fast, before any process group: missing or foreign files, empty data, ids beyond the vocab."""
+    """Fail fast, before any process group: missing, foreign or corrupt files, empty data, and any token id outside
+    the vocabulary (the whole dataset's id range, cached beside its index), at every TP size."""
     for flag, prefix in _prefixes(cfg):
         try:
             ds = MMapIndexedDataset(prefix)
@@ -43,12 +41,10 @@ def preflight_data(cfg: DataConfig, padded_vocab_size: int) -> None:
         if len(ds) == 0 or ds.num_tokens == 0:
             raise ConfigError(f"{flag} {prefix}: the dataset holds no documents (empty corpus?); "
                               f"re-run tools/preprocess_data.py on a non-empty --input")
-        top = int(ds.head_tokens(_TOKENS_CHECKED).max())
-        if top >= padded_vocab_size:
-            raise ConfigError(
-                f"{flag} {prefix}: token id {top} is beyond the model's vocabulary ({padded_vocab_size} "
-                f"padded ids from the tokenizer): the data was made with another tokenizer; pass the same "
-                f"--tokenizer-type/--tokenizer-model that tools/preprocess_data.py used")
+        try:
+            check_token_ids(ds, padded_vocab_size)
+        except TokenIdError as e:
+            raise ConfigError(f"{flag} {prefix}: {e}") from None
 
 
 def num_samples(train: TrainConfig, layout: Layout) -> tuple[int, int, int]:
@@ -57,14 +53,17 @@ def num_samples(train: TrainConfig, layout: Layout) -> tuple[int, int, int]:
     return train.train_iters * layout.global_batch_size, eval_samples, eval_samples
 
 
-def build_datasets(cfg: DataConfig, train: TrainConfig, layout: Layout, rank: int):
-    """Rank 0 builds (and caches) the sample indices first; the others then read them from the cache."""
+def build_datasets(cfg: DataConfig, train: TrainConfig, layout: Layout, rank: int, vocab_size: int | None = None):
+    """Rank 0 builds (and caches) the sample indices first; the others then read them from the cache.
+
+    ``vocab_size`` (the padded vocabulary): every sample's ids are checked against it as it is read."""
     def build():
         sizes = num_samples(train, layout)
         if cfg.data_path:
-            return build_train_valid_test_datasets(cfg.data_path, cfg.split, train.seq_length, train.seed, sizes)
+            return build_train_valid_test_datasets(cfg.data_path, cfg.split, train.seq_length, train.seed, sizes,
+                                                   vocab_size=vocab_size)
         return build_datasets_from_paths(cfg.train_data_path, cfg.valid_data_path, cfg.test_data_path,
-                                         train.seq_length, train.seed, sizes)
+                                         train.seq_length, train.seed, sizes, vocab_size=vocab_size)
 
     ready = dist.is_initialized()
     if ready and rank != 0:

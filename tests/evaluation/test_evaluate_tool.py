@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from codegeex_train.evaluation import read_problems, write_jsonl
+from codegeex_train.evaluation import ProblemsError, read_problems, write_jsonl
 from codegeex_train.metrics import read_offline_wandb_history
 from codegeex_train.testing import read_metrics, run_process_group
 
@@ -51,19 +51,24 @@ def test_samples_end_to_end(samples_file, tmp_path):
     assert results[1]["result"].startswith("failed: ")
 
     expected = {"iteration": 7, "split": "humaneval", "humaneval_pass@1": pytest.approx(2 / 3),
-                "humaneval_pass@2": 1.0, "humaneval_tasks": 3, "humaneval_samples_per_task": 2}
+                "humaneval_pass@2": 1.0, "humaneval_tasks": 3, "humaneval_samples_per_task": 2, "scoring": "strict"}
     assert read_metrics(run_dir) == [expected]
     runs = list((run_dir / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     rows = read_offline_wandb_history(runs[0])
     assert rows[0]["humaneval/pass@1"] == pytest.approx(2 / 3) and rows[0]["_step"] == 7
 
-    # The results file is a samples file too; a second evaluation appends its record.
+    # The results file is a samples file too; a second evaluation appends its record. Samples of tasks that are
+    # not among the problems are skipped and counted with --skip-unknown-tasks; the record names the scoring.
+    with open(tmp_path / "results.jsonl", "a") as f:
+        f.write('{"task_id": "CPP/0", "completion": ""}\n{"task_id": "HumanEval/999", "completion": ""}\n')
     again = run_tool("--samples", tmp_path / "results.jsonl", "--tasks", 3, "--run-dir", run_dir, "--workers", 2,
-                     "--timeout", 20)
+                     "--timeout", 20, "--skip-unknown-tasks", "--scoring", "codegeex")
     assert again.returncode == 0, again.stderr
+    assert "skipped 2 sample(s) of tasks not among the problems" in again.stdout, again.stdout
     records = read_metrics(run_dir)
     assert len(records) == 2 and records[1]["iteration"] == 0 and records[1]["humaneval_pass@1"] == pytest.approx(2 / 3)
+    assert records[1]["unknown_task_samples"] == 2 and records[1]["scoring"] == "codegeex"
 
 
 CASES = [
@@ -74,7 +79,12 @@ CASES = [
     (["--samples", "{s}", "--num-samples-per-task", "5"], "--num-samples-per-task"),
     (["--samples", "{d}/bad.jsonl"], "bad.jsonl:1: not valid JSON"),
     (["--samples", "{s}", "--problems", "{d}/bad.jsonl"], "bad.jsonl:1: not valid JSON"),
-    (["--samples", "{d}/other.jsonl", "--tasks", "2"], "no sample is for one of the 2 tasks"),
+    (["--samples", "{d}/late.jsonl", "--tasks", "2"], "no sample is for one of the 2 tasks"),
+    # Samples of unknown tasks (before: dropped without a word): the file, the first ones with their lines, how
+    # many, and the fix.
+    (["--samples", "{d}/mixed.jsonl", "--tasks", "1"], "mixed.jsonl: 2 sample(s) are for tasks not among the "
+     "python problems (the default ones), first CPP/0 (line 3), JavaScript/0 (line 4): pass --language "
+     "python,cpp,js, or --skip-unknown-tasks"),
     (["--samples", "{s}", "--load", "{d}"], "exactly one of --load"),
     ([], "exactly one of --load"),
     (["--load", "{d}/empty"], "no checkpoint in"),
@@ -85,7 +95,10 @@ CASES = [
 @pytest.mark.parametrize("args,fragment", CASES, ids=[str(i) for i in range(len(CASES))])
 def test_bad_input_ends_with_one_error_line(samples_file, tmp_path, args, fragment):
     (tmp_path / "bad.jsonl").write_text("{not json\n")
-    (tmp_path / "other.jsonl").write_text('{"task_id": "Other/0", "completion": "pass"}\n')
+    (tmp_path / "late.jsonl").write_text('{"task_id": "HumanEval/5", "completion": "pass"}\n')
+    (tmp_path / "mixed.jsonl").write_text('{"task_id": "HumanEval/0", "completion": ""}\n\n'
+                                          '{"task_id": "CPP/0", "completion": ""}\n'
+                                          '{"task_id": "JavaScript/0", "completion": ""}\n')
     (tmp_path / "empty").mkdir()
     result = run_tool(*[a.format(d=tmp_path, s=samples_file) for a in args], timeout=120)
     assert result.returncode != 0
@@ -94,6 +107,28 @@ def test_bad_input_ends_with_one_error_line(samples_file, tmp_path, args, fragme
     assert lines and ERROR_LINE.match(lines[-1]), result.stderr
     assert sum(bool(ERROR_LINE.match(line)) for line in lines) == 1, result.stderr
     assert fragment in lines[-1], lines[-1]
+
+
+def test_unknown_tasks_in_process(capsys, tmp_path):
+    """The tool's functions in this process (no tool start): ids of no known language get the general fix;
+    --skip-unknown-tasks counts them; it is for --samples files only (generated and canonical samples are the
+    problems' own)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("evaluate_humaneval", ROOT / "tools" / "evaluate_humaneval.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    problems = {"python": read_problems()}
+    numbered = [(1, {"task_id": "Other/0", "completion": ""}), (3, {"task_id": "HumanEval/0", "completion": ""})]
+    with pytest.raises(ProblemsError, match=r"s.jsonl: 1 sample\(s\) are for tasks not among the python problems "
+                       r"\(the default ones\), first Other/0 \(line 1\): pass the --language and --problems they "
+                       r"were generated for, or --skip-unknown-tasks"):
+        tool.known_samples(tool.parse_args(["--samples", "s.jsonl"]), numbered, problems)
+    args = tool.parse_args(["--samples", "s.jsonl", "--skip-unknown-tasks"])
+    assert tool.known_samples(args, numbered, problems) == ([numbered[1][1]], 1) and args.scoring == "strict"
+    with pytest.raises(SystemExit) as stop:
+        tool.parse_args(["--canonical", "--skip-unknown-tasks"])
+    assert stop.value.code == 2 and "--skip-unknown-tasks: only with --samples" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
@@ -130,5 +165,5 @@ def test_generate_from_a_checkpoint_and_score(tiny_checkpoint, tmp_path):
     [record] = read_metrics(tmp_path / "run")
     assert record["iteration"] == 42 and record["split"] == "humaneval"
     assert set(record) == {"iteration", "split", "humaneval_pass@1", "humaneval_pass@2", "humaneval_tasks",
-                           "humaneval_samples_per_task"}
+                           "humaneval_samples_per_task", "scoring"}
     assert "pass@1:" in result.stdout and "pass@2:" in result.stdout

@@ -1,0 +1,261 @@
+"""``--load`` never resumes with less than the checkpoint holds, and never meets tensors of another shape than the
+model's after the ranks have started: either is one ``error:`` line (exit 2) before any process group, naming what is
+missing or which parameter differs, and the flags that deliberately load less (--no-load-optim, --finetune), which
+are then accepted.
+
+One real training checkpoint (TP 2, DP 1: two model-parallel ranks, each with its model file and its ZeRO file) is
+made once per module and copied per test, then damaged as a lost file, a renamed directory or a foreign file would."""
+
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from codegeex_train import pretrain
+from codegeex_train.checkpoint.deepspeed_files import check_zero_partitions, tag_files
+from codegeex_train.checkpoint.files import (
+    CheckpointError,
+    META_KEY,
+    model_parameter_shapes,
+    rank_parameter_shapes,
+    save_model_checkpoint,
+    write_latest,
+)
+from codegeex_train.checkpoint.resume import ResumeKind
+from codegeex_train.checkpoint.sharding import split_model_parallel
+from codegeex_train.config.model import ModelConfig
+from codegeex_train.model.codegeex import CodeGeeXModel
+from codegeex_train.testing import load_tool, run_distributed, run_pretrain, tiny_pretrain_args
+
+TP2 = ("--tensor-model-parallel-size", "2")
+TAG = "iter_0000002"
+ZERO = "zero_pp_rank_0_mp_rank_{:02d}_optim_states.pt"
+MODEL = "mp_rank_{:02d}_model_states.pt"
+LOAD_LESS = ("--no-load-optim", "--finetune")
+CONFIG = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, max_position_embeddings=64, vocab_size=8192)
+
+
+@pytest.fixture(scope="module")
+def saved(tiny_data, tmp_path_factory):
+    """A 2-iteration run at TP 2 saved at its end; its weights-only and universal conversions."""
+    root = tmp_path_factory.mktemp("resume_refusals")
+    run_distributed(run_pretrain, world_size=2, tp_size=2, deadline_s=300,
+                    argv=tiny_pretrain_args(tiny_data, str(root / "training"), 2, *TP2))
+    modules = [torch.load(root / "training" / TAG / MODEL.format(r), weights_only=False)["module"] for r in (0, 1)]
+    save_model_checkpoint(root / "weights", modules, CONFIG, 2, tag=TAG, iteration=2)
+    load_tool("convert_checkpoint").main(["--load", str(root / "training"), "--to-universal", str(root / "universal")])
+    return root
+
+
+@pytest.fixture
+def copy(saved, tmp_path, monkeypatch):
+    """``copy(kind)``: a copy of that checkpoint (training, weights, universal) to damage; runs see 2 ranks."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.chdir(tmp_path)
+    return lambda kind="training": shutil.copytree(saved / kind, tmp_path / kind)
+
+
+def argv(data, load, *extra):
+    return tiny_pretrain_args(data, "out", 4, *TP2, "--load", str(load), *extra)
+
+
+def refused(capsys, monkeypatch, argv, *fragments) -> str:
+    """``pretrain.main(argv)`` exits 2 with one ``error:`` line holding ``fragments``, before any process group."""
+    def joined(*args, **kwargs):
+        raise AssertionError("the preflight let it through: the run went on to join a process group")
+
+    monkeypatch.setattr(pretrain, "init_distributed", joined)
+    with pytest.raises(SystemExit) as e:
+        pretrain.main(argv)
+    assert e.value.code == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in out + err
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    assert not dist.is_initialized()
+    return lines[0]
+
+
+def accepted(argv):
+    """What the preflight lets this run restore (``Resume``), checked without any process group."""
+    resume = pretrain.prepare(argv).resume
+    assert not dist.is_initialized()
+    return resume
+
+
+def edit(path, change) -> None:
+    state = torch.load(path, map_location="cpu", weights_only=False)  # ours: trusted
+    change(state)
+    torch.save(state, path)
+
+
+# --- a training checkpoint missing a part: refused, unless the flags say to load less ----------------------------
+
+@pytest.mark.parametrize("lost", [(0, 1), (1,)], ids=["every_optimizer_file", "one_rank_optimizer_file"])
+def test_missing_optimizer_files_refused_unless_no_load_optim(copy, tiny_data, capsys, monkeypatch, lost):
+    ckpt = copy()
+    for mp_rank in lost:
+        (ckpt / TAG / ZERO.format(mp_rank)).unlink()
+    refused(capsys, monkeypatch, argv(tiny_data, ckpt), f"--load {ckpt}: {ckpt / TAG} lacks the ZeRO optimizer file",
+            ZERO.format(1), f"({len(lost)} of 2: DP 1 x 2 model-parallel ranks", *LOAD_LESS)
+    resume = accepted(argv(tiny_data, ckpt, "--no-load-optim"))  # the iteration, LR schedule and RNG continue
+    assert (resume.kind, resume.load_optim, resume.finetune) == (ResumeKind.TRAINING, False, False)
+    resume = accepted(argv(tiny_data, ckpt, "--finetune"))
+    assert (resume.kind, resume.finetune) == (ResumeKind.TRAINING, True)
+
+
+def test_missing_model_file_refused_whatever_the_flags(copy, tiny_data, capsys, monkeypatch):
+    ckpt = copy()
+    (ckpt / TAG / MODEL.format(1)).unlink()
+    for flags in ((), ("--no-load-optim",), ("--finetune",)):
+        refused(capsys, monkeypatch, argv(tiny_data, ckpt, *flags), f"{ckpt / TAG} lacks {MODEL.format(1)} (1 of its 2 "
+                "model files: TP 2 x PP 1, as its metadata records)", "no flag loads", f"{ckpt}/latest")
+
+
+def test_missing_training_state_refused_unless_finetune(copy, tiny_data, capsys, monkeypatch):
+    """Model files of a training run without its training state (and without the ZeRO files, as a weights-only
+    checkpoint would be): its DeepSpeed fields still tell what it is."""
+    ckpt = copy()
+    for mp_rank in (0, 1):
+        (ckpt / TAG / ZERO.format(mp_rank)).unlink()
+        edit(ckpt / TAG / MODEL.format(mp_rank), lambda state: state[META_KEY].pop("train_state"))
+    for flags in ((), ("--no-load-optim",)):
+        refused(capsys, monkeypatch, argv(tiny_data, ckpt, *flags), "records no training state",
+                "DeepSpeed's fields in the model file", "pass --finetune")
+    resume = accepted(argv(tiny_data, ckpt, "--finetune"))
+    assert (resume.kind, resume.finetune) == (ResumeKind.TRAINING, True)
+
+
+def _set_dp_world_size(state):
+    state["dp_world_size"] = 2
+
+
+def _set_mp_world_size(state):
+    state["mp_world_size"] = 4
+
+
+def _set_train_state_iteration(state):
+    state[META_KEY]["train_state"]["iteration"] = 1
+
+
+def _rename_tag(ckpt):
+    (ckpt / TAG).rename(ckpt / "iter_0000004")
+    write_latest(ckpt, "iter_0000004")
+
+
+DISAGREEING = {  # damage, what the line says, the flags it names
+    "tag_renamed": (_rename_tag, "records iteration 2, but its tag directory is iter_0000004", ("--finetune",)),
+    "train_state_of_another_iteration": (
+        lambda ckpt: [edit(ckpt / TAG / MODEL.format(r), _set_train_state_iteration) for r in (0, 1)],
+        "its training state is at iteration 1, its metadata at 2", ("--finetune",)),
+    "recorded_mp_beyond_files": (
+        lambda ckpt: [edit(ckpt / TAG / MODEL.format(r), _set_mp_world_size) for r in (0, 1)],
+        "DeepSpeed recorded 4 model-parallel ranks, the metadata TP x PP = 2", ("--finetune",)),
+    "model_file_of_another_save": (
+        lambda ckpt: edit(ckpt / TAG / MODEL.format(1), lambda s: s[META_KEY].__setitem__("iteration", 1)),
+        f"{MODEL.format(1)} records iteration 1 (mp_rank_00: 2): files of different saves", ("no flag loads",)),
+    "model_file_beyond_tp_x_pp": (
+        lambda ckpt: shutil.copy(ckpt / TAG / MODEL.format(1), ckpt / TAG / MODEL.format(2)),
+        f"holds {MODEL.format(2)} beyond its 2 model files (TP 2 x PP 1", ("no flag loads",)),
+    "zero_file_beyond_dp": (
+        lambda ckpt: shutil.copy(ckpt / TAG / ZERO.format(0), ckpt / TAG / "zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+        "holds zero_pp_rank_1_mp_rank_00_optim_states.pt beyond its 2 ZeRO optimizer files (DP 1 x 2", LOAD_LESS),
+    "recorded_dp_beyond_files": (
+        lambda ckpt: [edit(ckpt / TAG / MODEL.format(r), _set_dp_world_size) for r in (0, 1)],
+        "lacks the ZeRO optimizer files zero_pp_rank_1_mp_rank_00_optim_states.pt, "
+        "zero_pp_rank_1_mp_rank_01_optim_states.pt (2 of 4: DP 2 x 2", LOAD_LESS),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DISAGREEING))
+def test_train_state_disagreeing_with_the_files_is_refused(copy, tiny_data, capsys, monkeypatch, case):
+    damage, message, flags = DISAGREEING[case]
+    ckpt = copy()
+    damage(ckpt)
+    refused(capsys, monkeypatch, argv(tiny_data, ckpt), message, *flags)
+
+
+def test_no_load_flags_refused_at_weights_only(copy, tiny_data, capsys, monkeypatch):
+    ckpt = copy("weights")
+    for flag in ("--no-load-optim", "--no-load-rng"):
+        refused(capsys, monkeypatch, argv(tiny_data, ckpt, flag), f"{flag}: --load {ckpt} ({TAG}) holds model weights "
+                "only, no training state to continue", f"drop {flag}")
+    assert accepted(argv(tiny_data, ckpt, "--finetune")).kind is ResumeKind.WEIGHTS
+
+
+# --- tensors of another shape than the model's -------------------------------------------------------------------
+
+def _narrow_word_table(module):
+    module["word_embeddings.weight"] = module["word_embeddings.weight"][:, :16].clone()
+
+
+def _universal(ckpt, change):
+    from safetensors.torch import load_file, save_file
+
+    for state in ("fp32", "exp_avg", "exp_avg_sq"):  # all three alike: only the model's shape disagrees
+        path = ckpt / TAG / f"{state}.safetensors"
+        tensors = load_file(str(path))
+        change(tensors)
+        save_file(tensors, str(path))
+
+
+NARROWED = "parameter word_embeddings.weight has shape ({rows}, 16) in the checkpoint, the model built from the " \
+           "flags has ({rows}, 32)"
+
+
+@pytest.mark.parametrize("kind, flags, damage, message", [
+    ("training", (), _narrow_word_table, NARROWED.format(rows=4096)),
+    ("training", ("--finetune",), _narrow_word_table, NARROWED.format(rows=4096)),
+    ("weights", (), _narrow_word_table, NARROWED.format(rows=4096)),
+    ("weights", (), lambda m: m.pop("final_layernorm.bias"), "it lacks parameter final_layernorm.bias, which the "
+                                                             "model built from the flags has (shape (32,))"),
+    ("weights", (), lambda m: m.__setitem__("layers.2.input_layernorm.weight", torch.ones(32)),
+     "it holds parameter layers.2.input_layernorm.weight, which the model built from the flags lacks"),
+    ("universal", (), _narrow_word_table, NARROWED.format(rows=8192)),
+], ids=["training", "training_finetune", "weights", "weights_missing_name", "weights_extra_name", "universal"])
+def test_tensor_of_another_shape_is_one_line(copy, tiny_data, capsys, monkeypatch, kind, flags, damage, message):
+    """The recorded model is the flags' (that check passes): the tensors themselves differ."""
+    ckpt = copy(kind)
+    if kind == "universal":
+        _universal(ckpt, damage)
+        where = ckpt / TAG / "fp32.safetensors"
+    else:
+        edit(ckpt / TAG / MODEL.format(0), lambda state: damage(state["module"]))
+        where = ckpt / TAG / MODEL.format(0)
+    refused(capsys, monkeypatch, argv(tiny_data, ckpt, *flags), f"error: --load {ckpt}: {where}: {message}; its "
+            "metadata records the model of these flags")
+
+
+def test_model_of_other_flags_names_the_checkpoints_flags(copy, tiny_data, capsys, monkeypatch):
+    ckpt = copy()
+    refused(capsys, monkeypatch, argv(tiny_data, ckpt, "--hidden-size", "64", "--no-top-query-layer"),
+            "hidden_size: checkpoint 32, this run 64", "(--hidden-size 32, --top-query-layer)")
+
+
+def test_zero_files_of_another_model_are_refused(saved):
+    """The ZeRO partitions hold each parameter's values between their DP ranks: as many as the model has."""
+    files = tag_files(saved / "training" / TAG)
+    ours = {r: rank_parameter_shapes(CONFIG, 2, [range(2)], 0) for r in (0, 1)}
+    check_zero_partitions(files, ours)
+    wider = ModelConfig(**{**CONFIG.__dict__, "ffn_hidden_size": 256})
+    with pytest.raises(CheckpointError, match=r"model-parallel rank 0 hold 2048 values of parameter "
+                                              r"layers\.0\.mlp\.dense_h_to_4h\.weight across the DP ranks; the model "
+                                              r"built from the flags has 4096 \(shape \(128, 32\)\)"):
+        check_zero_partitions(files, {r: rank_parameter_shapes(wider, 2, [range(2)], 0) for r in (0, 1)})
+
+
+# --- the shapes come from the config alone, and are the model's --------------------------------------------------
+
+@pytest.mark.parametrize("top_query_layer", [True, False])
+def test_shapes_from_the_config_are_the_models(top_query_layer):
+    config = ModelConfig(num_layers=3, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48,
+                         max_position_embeddings=64, vocab_size=8000, top_query_layer=top_query_layer)
+    full = CodeGeeXModel(config, None, None).state_dict()
+    assert list(model_parameter_shapes(config).items()) == [(n, tuple(t.shape)) for n, t in full.items()]
+    stages = [range(0, 1), range(1, 3)]
+    for mp_rank, shard in enumerate(split_model_parallel(full, config, 2, stages)):  # TP 2 x PP 2
+        expected = rank_parameter_shapes(config, 2, stages, mp_rank // 2)
+        assert list(expected.items()) == [(n, tuple(t.shape)) for n, t in shard.items()], mp_rank
