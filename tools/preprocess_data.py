@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None  # bad input or unwritable output: one line, exit 2 as argparse
     except KeyboardInterrupt as e:
         name, code = ("SIGTERM", 128 + signal.SIGTERM) if isinstance(e, Terminated) else ("SIGINT", 128 + signal.SIGINT)
-        print(f"preprocess_data.py: error: interrupted ({name}); no partial output is left", file=sys.stderr)
+        print(f"\npreprocess_data.py: error: interrupted ({name}); no partial output is left", file=sys.stderr)  # own line: a progress bar may be mid-line
         sys.exit(code)
     print(summary)
 
