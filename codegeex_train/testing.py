@@ -322,3 +322,21 @@ def all_gather_tensor(tensor: torch.Tensor, group=None, dim: int | None = None):
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, tensor.contiguous(), group=group)
     return parts if dim is None else torch.cat(parts, dim=dim)
+
+
+def fails_with(capsys, argv: list[str], *fragments: str) -> str:
+    """``pretrain.main(argv)`` refuses: exit 2, exactly one stderr line ``error: ...`` holding every fragment, and no
+    process group created. Returns the line (the bad-input tests' shared assertion)."""
+    import pytest
+
+    from codegeex_train import pretrain
+
+    with pytest.raises(SystemExit) as e:
+        pretrain.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    for fragment in fragments:
+        assert fragment in err[0], err[0]
+    assert not dist.is_initialized()
+    return err[0]

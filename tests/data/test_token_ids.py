@@ -6,7 +6,6 @@ silently; these tests stop pretrain.main before it joins a process group (reachi
 
 import numpy as np
 import pytest
-import torch.distributed as dist
 
 from codegeex_train import pretrain
 from codegeex_train.data import npy_cache, token_range
@@ -14,7 +13,7 @@ from codegeex_train.data.gpt_dataset import GPTDataset
 from codegeex_train.data.indexed_dataset import MMapIndexedDataset, bin_path
 from codegeex_train.data.sampler import build_pretraining_data_loader
 from codegeex_train.data.token_range import TokenIdError, check_token_ids
-from codegeex_train.testing import tiny_model_args, write_indexed_dataset
+from codegeex_train.testing import fails_with, tiny_model_args, write_indexed_dataset
 
 MODEL = tiny_model_args()  # the shipped tokenizer: 8192 ids, padded to 8192 at TP 1 and 2
 
@@ -33,17 +32,6 @@ def run_dir(tmp_path, monkeypatch):
     yield
     assert list(cwd.iterdir()) == []
 
-
-def fails_with(capsys, argv, *fragments):
-    with pytest.raises(SystemExit) as e:
-        pretrain.main(argv)
-    assert e.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: "), err
-    for fragment in fragments:
-        assert fragment in err[0], err[0]
-    assert not dist.is_initialized()
-    return err[0]
 
 
 def test_negative_ids_are_refused_at_tp1(capsys, run_dir, tmp_path):

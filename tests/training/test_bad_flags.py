@@ -9,10 +9,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
 
-from codegeex_train import pretrain
-from codegeex_train.testing import tiny_model_args
+from codegeex_train.testing import fails_with, tiny_model_args
 
 
 @pytest.fixture(autouse=True)
@@ -24,17 +22,6 @@ def in_an_empty_directory(tmp_path, monkeypatch):
     yield
     assert list(cwd.iterdir()) == []
 
-
-def fails_with(capsys, argv, *fragments):
-    with pytest.raises(SystemExit) as e:
-        pretrain.main(argv)
-    assert e.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: "), err
-    for fragment in fragments:
-        assert fragment in err[0], err[0]
-    assert not dist.is_initialized()
-    return err[0]
 
 
 @pytest.fixture

@@ -4,13 +4,11 @@ import json
 
 import numpy as np
 import pytest
-import torch.distributed as dist
 
-from codegeex_train import pretrain
 from codegeex_train.checkpoint.files import save_model_checkpoint
 from codegeex_train.checkpoint.sharding import split_state_dict
 from codegeex_train.config.model import ModelConfig
-from codegeex_train.testing import tiny_model_args, write_indexed_dataset
+from codegeex_train.testing import fails_with, tiny_model_args, write_indexed_dataset
 
 MODEL = tiny_model_args()
 
@@ -24,17 +22,6 @@ def in_an_empty_directory(tmp_path, monkeypatch):
     yield
     assert list(cwd.iterdir()) == []
 
-
-def fails_with(capsys, argv, *fragments):
-    with pytest.raises(SystemExit) as e:
-        pretrain.main(argv)
-    assert e.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: "), err
-    for fragment in fragments:
-        assert fragment in err[0], err[0]
-    assert not dist.is_initialized()
-    return err[0]
 
 
 def test_missing_data_path(capsys, tmp_path):

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch.distributed as dist
 
 from codegeex_train import pretrain
 from codegeex_train.accounting import available, fit
@@ -25,7 +24,7 @@ from codegeex_train.accounting.theory import Workload
 from codegeex_train.config.arguments import DataConfig, parse_args, validate
 from codegeex_train.data.gpt_dataset import build_sample_index
 from codegeex_train.data.tokenizer import DEFAULT_TOKENIZER_PATH
-from codegeex_train.testing import tiny_model_args, write_indexed_dataset
+from codegeex_train.testing import fails_with, tiny_model_args, write_indexed_dataset
 from codegeex_train.training.data import num_samples
 
 GIB = 2**30
@@ -69,17 +68,6 @@ def address_space_capped(extra: int = 2 * GIB):
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
-def fails_with(capsys, argv, *fragments) -> str:
-    with pytest.raises(SystemExit) as e:
-        pretrain.main(argv)
-    assert e.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: "), err
-    for fragment in fragments:
-        assert fragment in err[0], err[0]
-    assert not dist.is_initialized()
-    return err[0]
-
 
 def flags_after(message: str, lead: str) -> list[list[str]]:
     """The flag sets a refusal suggests: 'it fits with A, or B; ...' -> [A.split(), B.split()]."""
@@ -93,10 +81,10 @@ def test_a_hundred_thousand_layers_are_refused_at_once(capsys, tiny_data, monkey
     fails_with(capsys, MODEL + ["--data-path", tiny_data, "--num-layers", "100000"], "not enough memory",
                "8.00 GiB is available (test's host)", "weights 4.73 GiB", "no layout", "--num-layers",
                "--skip-memory-check")
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 20  # building them took 82 s; 0.07 s alone here, up to 5 s on a loaded machine
     with address_space_capped():  # a check that listed the 10**9 layers would fail here, not take the machine
         fails_with(capsys, MODEL + ["--data-path", tiny_data, "--num-layers", str(10**9)], "no layout")
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 40
 
 
 def test_a_tokenizer_with_a_stray_huge_id_is_refused(capsys, tiny_data, tmp_path):
