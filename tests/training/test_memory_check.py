@@ -77,14 +77,14 @@ def flags_after(message: str, lead: str) -> list[list[str]]:
 
 def test_a_hundred_thousand_layers_are_refused_at_once(capsys, tiny_data, monkeypatch):
     free_host_memory(monkeypatch, 8 * GIB)
-    start = time.monotonic()
+    start = time.process_time()  # this process's CPU time: what the check costs, whatever else loads the machine
     fails_with(capsys, MODEL + ["--data-path", tiny_data, "--num-layers", "100000"], "not enough memory",
                "8.00 GiB is available (test's host)", "weights 4.73 GiB", "no layout", "--num-layers",
                "--skip-memory-check")
-    assert time.monotonic() - start < 20  # building them took 82 s; 0.07 s alone here, up to 5 s on a loaded machine
+    assert time.process_time() - start < 5  # building them took 82 s; the refusal takes 0.05 s here
     with address_space_capped():  # a check that listed the 10**9 layers would fail here, not take the machine
         fails_with(capsys, MODEL + ["--data-path", tiny_data, "--num-layers", str(10**9)], "no layout")
-    assert time.monotonic() - start < 40
+    assert time.process_time() - start < 10
 
 
 def test_a_tokenizer_with_a_stray_huge_id_is_refused(capsys, tiny_data, tmp_path):
