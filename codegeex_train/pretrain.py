@@ -46,7 +46,14 @@ from codegeex_train.distributed.cluster import (
 from codegeex_train.distributed.layout import Layout
 from codegeex_train.distributed.malloc import fix_malloc_thresholds
 from codegeex_train.distributed.topology import Topology
-from codegeex_train.evaluation.during_training import humaneval_callback, humaneval_problems, training_sandbox
+from codegeex_train.data.fim import fim_from_flags
+from codegeex_train.evaluation.during_training import (
+    humaneval_callback,
+    humaneval_problems,
+    infilling_callback,
+    infilling_problems,
+    training_sandbox,
+)
 from codegeex_train.evaluation.sandbox import SandboxError
 from codegeex_train.metrics import MetricsLogger
 from codegeex_train.model.codegeex import CodeGeeXModel
@@ -54,7 +61,7 @@ from codegeex_train.model.flops import model_flops_per_iteration
 from codegeex_train.model.summary import model_summary
 from codegeex_train.pipeline import mark_shared_embedding_copy
 from codegeex_train.tensor_parallel import model_parallel_seed
-from codegeex_train.training.data import build_datasets, loader, num_samples, preflight_data
+from codegeex_train.training.data import DocumentMasking, build_datasets, loader, num_samples, preflight_data
 from codegeex_train.training.engine import build_engine
 from codegeex_train.training.exit_conditions import ExitConditions
 from codegeex_train.training.fault_injection import step_context_from_environment
@@ -79,6 +86,7 @@ def prepare(argv: list[str] | None) -> Prepared:
     layout = validate(args, world_size)
     try:
         tokenizer = load_tokenizer(args.data)
+        fim_from_flags(args.data, tokenizer)  # --fim-split-sample must be one token of this tokenizer
         args.model.vocab_size = tokenizer.vocab_size
         args.model.validate(layout.dims.tp_size)
     except ValueError as e:  # TokenizerError, ModelConfigError
@@ -96,6 +104,13 @@ def prepare(argv: list[str] | None) -> Prepared:
                                args.train.eval_humaneval_tasks)  # readable, and their compilers installed
         except (SandboxError, ValueError, RuntimeError) as e:  # + ProblemsError, ToolchainError
             raise ConfigError(f"--eval-humaneval-interval: {e}") from None
+    if args.train.eval_infilling_interval:  # the sandbox and the problems, before anything starts
+        try:
+            training_sandbox(args.train.unsafe_no_sandbox)
+            infilling_problems(args.train.eval_infilling_benchmark, args.train.eval_infilling_problems,
+                               args.train.eval_infilling_tasks)
+        except (SandboxError, ValueError, RuntimeError) as e:  # + ProblemsError
+            raise ConfigError(f"--eval-infilling-interval: {e}") from None
     return Prepared(args, layout, ds_config, resume, tokenizer)
 
 
@@ -192,7 +207,8 @@ def main(argv: list[str] | None = None) -> TrainState:
         print(f"--load {prepared.resume.load_dir} is at iteration {state.iteration} of --train-iters "
               f"{t.train_iters}: nothing to train; raise --train-iters to continue", flush=True)
         return state  # (the process group goes with the process)
-    train_ds, valid_ds, test_ds = build_datasets(args.data, t, layout, topology.rank, args.model.padded_vocab_size)
+    train_ds, valid_ds, test_ds = build_datasets(args.data, t, layout, topology.rank, args.model.padded_vocab_size,
+                                                tokenizer=prepared.tokenizer)
     sizes = num_samples(t, layout)
     train_loader = loader(train_ds, state.consumed_train_samples, layout, topology.dp_rank, args.data.num_workers,
                           sizes[0])
@@ -215,8 +231,14 @@ def main(argv: list[str] | None = None) -> TrainState:
                                    max_new_tokens=t.eval_humaneval_max_new_tokens, execute=logger.enabled,
                                    unsafe_no_sandbox=t.unsafe_no_sandbox, languages=t.eval_humaneval_languages,
                                    problems=t.eval_humaneval_problems) if t.eval_humaneval_interval else None
+    infilling = infilling_callback(engine, prepared.tokenizer, device, topology, benchmark=t.eval_infilling_benchmark,
+                                   problems=t.eval_infilling_problems, tasks=t.eval_infilling_tasks,
+                                   max_new_tokens=t.eval_infilling_max_new_tokens,
+                                   fim_spm_rate=args.data.fim_spm_rate, execute=logger.enabled,
+                                   unsafe_no_sandbox=t.unsafe_no_sandbox) if t.eval_infilling_interval else None
     run = Run(args, layout, topology, engine, tracker, device, logger, flops, peak, exit_conditions=exit_conditions,
-              workload=workload, evaluate_humaneval=humaneval,
+              workload=workload, evaluate_humaneval=humaneval, evaluate_infilling=infilling,
+              masking=DocumentMasking.from_config(args.data, prepared.tokenizer.eod),
               step_context=step_context_from_environment(engine.module))
     try:
         state = train(run, state, train_loader, valid_loader, test_loader)

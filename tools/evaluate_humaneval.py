@@ -42,6 +42,19 @@ pass@k is printed and, with --run-dir, appended to DIR/metrics.jsonl as {"iterat
 "humaneval_pass@1": ..., "humaneval_cpp_pass@1": ...} (and to wandb with --wandb-project). Bad input ends with
 one `evaluate_humaneval.py: error: ...` line and a non-zero exit.
 
+HumanEval-infilling (--benchmark single-line, multi-line, random-span or random-span-light; OpenAI's FIM benchmark,
+codegeex_train/evaluation/infilling.py): fill a span of a canonical solution back in from the code around it. The
+problems are the benchmark's files (--problems: one of github.com/openai/human-eval-infilling's
+data/HumanEval-*Infilling*.jsonl.gz, or a clone of it), else loubnabnl/humaneval_infilling from the hub through
+`datasets`. A sample's completion is the middle; the program run is prompt + middle + suffix + test +
+check(entry_point). --load needs a checkpoint trained with --fim-rate > 0, prompted in the order it trained with
+(--fim-order overrides); the middle ends at the end of the document, with no stop strings. Records go in split
+"infilling" ("infilling_single_line_pass@1", ...):
+
+    python tools/evaluate_humaneval.py --benchmark single-line --problems human-eval-infilling --canonical
+    python tools/evaluate_humaneval.py --benchmark multi-line --problems human-eval-infilling --load CKPT \
+        --tasks 200 --max-new-tokens 128 --output infill_results.jsonl
+
 Scoring (--scoring; the records say which, "scoring": ...): strict, the default, passes a sample only if its
 test ran to its end and printed the run's one-time token as its last line, so a completion that exits 0 early
 (exit(0), System.exit(0), process.exit(0), in a static initializer or init() too) fails; codegeex is CodeGeeX's
@@ -62,6 +75,7 @@ PROG = "evaluate_humaneval.py"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from codegeex_train.evaluation import default_workers
+    from codegeex_train.evaluation.infilling import BENCHMARKS as INFILLING
     from codegeex_train.evaluation.languages import SCORINGS
 
     p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -91,12 +105,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     gen.add_argument("--batch-size", type=int, default=16, help="prompts per generate call (default: %(default)s)")
     gen.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     ev = p.add_argument_group("evaluation")
+    ev.add_argument("--benchmark", default="humaneval", choices=("humaneval", *INFILLING),
+                    help="humaneval (with --language) or a HumanEval-infilling benchmark (python; --problems its "
+                    "file or a clone of github.com/openai/human-eval-infilling, else the hub) (default: %(default)s)")
+    ev.add_argument("--fim-order", choices=("psm", "spm"), default=None, help="with --load and an infilling "
+                    "benchmark: the FIM prompt order (default: the one the checkpoint trained with)")
     ev.add_argument("--language", default="python", help="python, cpp, java, js, go, a comma-separated list or all "
                     "(default: %(default)s)")
     ev.add_argument("--problems", metavar="PATH", help="a problems file (human-eval's or HumanEval-X's format, one "
                     "language) or a directory in the layout of CodeGeeX's codegeex/benchmark/humaneval-x (default: "
                     "HumanEval's 164 for python, THUDM/humaneval-x from the hub for the others)")
-    ev.add_argument("--tasks", type=int, default=None, metavar="K", help="only the first K tasks")
+    ev.add_argument("--tasks", type=int, default=None, metavar="K", help="only the first K tasks (an infilling "
+                    "benchmark: K tasks spread evenly through it)")
     ev.add_argument("--k", default=None, help="pass@k to report, where the samples per task allow "
                     "(default: 1,10,100)")
     ev.add_argument("--timeout", type=float, default=None, help="seconds per sample, compilation included "
@@ -161,6 +181,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.languages = parse_languages(args.language)
     except ValueError as e:
         p.error(f"--language {e}")
+    args.infilling = args.benchmark != "humaneval"
+    if args.infilling and args.languages != ["python"]:
+        p.error(f"--benchmark {args.benchmark}: HumanEval-infilling is Python's; not with --language {args.language}")
+    if args.fim_order is not None and not (args.infilling and args.load):
+        p.error("--fim-order: only with --load and an infilling --benchmark")
     if len(args.languages) > 1 and args.problems and Path(args.problems).is_file():
         p.error(f"--problems {args.problems}: a file holds one language; give a directory for --language "
                 f"{args.language}")
@@ -186,20 +211,34 @@ def generate(args, problems_by: dict[str, dict]) -> dict[str, list[dict]]:
     from codegeex_train.config.arguments import DataConfig
     from codegeex_train.data.tokenizer import load_tokenizer
     from codegeex_train.evaluation import default_params, generate_samples
+    from codegeex_train.evaluation.infilling import generate_infilling_samples, infilling_params
 
     try:
         from codegeex_train.generation import Generator
+        from codegeex_train.generation.infill import fim_format, fim_tokens_if_trained
     except ImportError as e:
         raise ValueError(f"--load needs codegeex_train.generation, which does not import here ({e})") from None
     _, meta = read_checkpoint_meta(args.load)
     settings, which = checkpoint_tokenizer(args.load, meta, {name: getattr(args, name) for name in TOKENIZER_FIELDS})
     tokenizer = load_tokenizer(DataConfig(**settings))
+    fim_tokens_if_trained(meta, tokenizer)  # a FIM-trained model's sentinels, at the ids training gave them
+    fim = fim_format(meta, tokenizer, args.fim_order, where=f"checkpoint {args.load}",
+                     flag=f"--benchmark {args.benchmark}") if args.infilling else None
     print(which, file=sys.stderr, flush=True)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     try:
         generator = Generator.from_checkpoint(args.load, tokenizer, device=device)
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise ValueError(f"--load {args.load}: {e}") from None
+    if fim is not None:
+        params = infilling_params(args.num_samples_per_task, max_new_tokens=args.max_new_tokens,
+                                  temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+        problems = problems_by["python"]
+        print(f"generating {args.num_samples_per_task} middle(s) for each of {len(problems)} {args.benchmark} tasks "
+              f"({fim.order.upper()}, {'greedy' if not params.temperature else f'temperature {params.temperature}'})",
+              file=sys.stderr)
+        return {"python": generate_infilling_samples(generator, problems, fim, num_samples=args.num_samples_per_task,
+                                                     params=params, batch_size=args.batch_size, progress=True)}
     samples_by = {}
     for lang, problems in problems_by.items():
         params = default_params(args.num_samples_per_task, max_new_tokens=args.max_new_tokens,
@@ -237,7 +276,9 @@ def known_samples(args, numbered: list[tuple[int, dict]], all_problems: dict[str
         by_prefix = {lang.task_prefix: name for name, lang in LANGUAGES.items()} | {"HumanEval": "python"}
         theirs = {by_prefix.get(task.split("/")[0]) for _, task in unknown}
         where = f"--problems {args.problems}" if args.problems else "the default ones"
-        if None not in theirs and not theirs <= set(args.languages):
+        if args.infilling:
+            fix = "pass the --benchmark and --problems they were generated for"
+        elif None not in theirs and not theirs <= set(args.languages):
             used = theirs | {lang for lang in args.languages if any(s["task_id"] in all_problems[lang]
                                                                     for _, s in numbered)}
             fix = f"pass --language {','.join(lang for lang in LANGUAGES if lang in used)}"
@@ -280,13 +321,23 @@ def main(argv: list[str] | None = None) -> None:
         select_tasks,
         write_jsonl,
     )
+    from codegeex_train.evaluation.infilling import (
+        evaluate_infilling,
+        log_infilling_metrics,
+        read_infilling_problems,
+        spread_tasks,
+    )
     from codegeex_train.evaluation.languages import LANGUAGES
     from codegeex_train.evaluation.toolchains import Toolchain
 
     toolchains: dict[str, Toolchain] = {}
     try:
-        all_problems = {lang: read_problems(args.problems, lang) for lang in args.languages}
-        problems_by = {lang: select_tasks(all_problems[lang], args.tasks) for lang in args.languages}
+        if args.infilling:
+            all_problems = {"python": read_infilling_problems(args.problems, args.benchmark)}
+            problems_by = {"python": spread_tasks(all_problems["python"], args.tasks)}
+        else:
+            all_problems = {lang: read_problems(args.problems, lang) for lang in args.languages}
+            problems_by = {lang: select_tasks(all_problems[lang], args.tasks) for lang in args.languages}
         unknown = None  # how many samples were of unknown tasks, with --skip-unknown-tasks
         if args.samples is not None:  # a bad samples file is said before the toolchains and the sandbox start
             samples, unknown = known_samples(args, read_numbered_samples(args.samples), all_problems)
@@ -334,9 +385,14 @@ def main(argv: list[str] | None = None) -> None:
             samples = samples_by[lang]
             start = time.monotonic()
             with tqdm(total=len(samples), desc=f"execute{_label(lang)}", unit="sample", file=sys.stderr) as bar:
-                evaluations.append(evaluate_samples(problems_by[lang], samples, ks=args.ks, sandbox=sandbox,
-                                                    on_result=lambda i, r: bar.update(1), language=lang,
-                                                    toolchain=toolchains.get(lang), scoring=args.scoring))
+                if args.infilling:
+                    evaluations.append(evaluate_infilling(problems_by[lang], samples, benchmark=args.benchmark,
+                                                          ks=args.ks, sandbox=sandbox,
+                                                          on_result=lambda i, r: bar.update(1)))
+                else:
+                    evaluations.append(evaluate_samples(problems_by[lang], samples, ks=args.ks, sandbox=sandbox,
+                                                        on_result=lambda i, r: bar.update(1), language=lang,
+                                                        toolchain=toolchains.get(lang), scoring=args.scoring))
             seconds = time.monotonic() - start
             print(f"{lang}: {len(samples)} samples in {seconds:.1f} s ({len(samples) / seconds:.2f} per second)",
                   file=sys.stderr)
@@ -356,14 +412,18 @@ def main(argv: list[str] | None = None) -> None:
         if args.output:
             write_jsonl(args.output, [r for e in evaluations for r in e.results])
         if args.run_dir:
-            log_humaneval_metrics(args.run_dir, iteration, metrics, wandb_project=args.wandb_project,
-                                  wandb_name=args.wandb_name, wandb_id=args.wandb_id)
+            log = log_infilling_metrics if args.infilling else log_humaneval_metrics
+            log(args.run_dir, iteration, metrics, wandb_project=args.wandb_project, wandb_name=args.wandb_name,
+                wandb_id=args.wandb_id)
     except OSError as e:
         print(f"{PROG}: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None  # bad input: one line, exit 2 as argparse
     for evaluation in evaluations:
         print(evaluation.summary())
-        label = "" if args.languages == ["python"] else f"{evaluation.language} "
+        if args.infilling:
+            label = f"{args.benchmark} "
+        else:
+            label = "" if args.languages == ["python"] else f"{evaluation.language} "
         for k, value in evaluation.pass_at_k.items():
             print(f"{label}pass@{k}: {value:.4f}")
     if unknown is not None:

@@ -10,6 +10,10 @@
     torchrun --nproc_per_node 2 tools/generate.py --load CKPT_TP2 --tensor-model-parallel-size 2 --prompt ...
     # interactive: with neither --prompt nor --prompt-file, prompts are read from stdin
     python tools/generate.py --load CKPT
+    # fill in the middle (a checkpoint trained with --fim-rate > 0): a file with one <FILL_HERE> where the middle
+    # goes, or the prefix and suffix; the filled-in text is printed (with --output: the middle, as "completion")
+    python tools/generate.py --load CKPT --infill module.py --max-new-tokens 64
+    python tools/generate.py --load CKPT --prefix 'def add(a, b):\\n    ' --suffix '\\n\\nprint(add(1, 2))\\n'
 
 The tokenizer is the one the checkpoint records (training checkpoints record their tokenizer flags, file paths
 absolute); any tokenizer flag given (--tokenizer-type/--tokenizer-model/--vocab-file/--merge-file/
@@ -18,6 +22,11 @@ the shipped default tokenizer. One line on stderr says which. In --prompt and --
 newline, a tab and a backslash; --prompt-file is read verbatim. Completions are cut before the first stop string;
 CodeGeeX's whitespace tokens come out as spaces. All TP ranks emit the same tokens (the TP group's first rank
 samples and broadcasts; see codegeex_train/generation/generator.py); rank 0 prints and writes.
+
+Infilling (--infill FILE..., or --prefix/--suffix) builds the fill-in-the-middle prompt in the order the checkpoint
+records it was trained with (the one it saw most: SPM when its --fim-spm-rate was above 0.5, else PSM; between 0
+and 1 it saw both and either works; --fim-order psm|spm chooses) and ends the middle at the end of the
+document (EOD) or any FIM sentinel. A checkpoint trained without FIM (or recording nothing of it) is refused.
 
 Bad input ends with one ``generate.py: error: ...`` line and a non-zero exit.
 """
@@ -41,11 +50,13 @@ import torch.distributed as dist
 from codegeex_train.checkpoint.files import TOKENIZER_FIELDS, CheckpointError, checkpoint_tokenizer
 from codegeex_train.config.arguments import ConfigError, DataConfig, ParallelConfig
 from codegeex_train.config.model import ModelConfig
+from codegeex_train.data.code_tokens import FIM_ORDERS
 from codegeex_train.data.tokenizer import TokenizerError, load_tokenizer
 from codegeex_train.distributed.cluster import ClusterError, join_process_group, rank_env_from_slurm
 from codegeex_train.distributed.topology import ParallelDims, Topology
-from codegeex_train.generation import Generator, SamplingParams
+from codegeex_train.generation import FimFormat, Generator, InfillError, SamplingParams
 from codegeex_train.generation.generator import check_checkpoint_layout
+from codegeex_train.generation.infill import DEFAULT_MARKER, fim_format, fim_tokens_if_trained, split_at_marker
 
 PROG = "generate.py"
 PARALLEL_FIELDS = ("tensor_model_parallel_size", "distributed_backend", "distributed_timeout_minutes")
@@ -86,8 +97,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     source.add_argument("--prompt", help="one prompt (\\n, \\t, \\\\ escapes)")
     source.add_argument("--prompt-file", help="jsonl of {\"prompt\": ...} objects, one per line (other keys are "
                         "copied to --output); any other file (.gz too) is one prompt")
-    p.add_argument("--output", help="write one jsonl record per prompt: its input keys, prompt, completion "
-                   "(default: print the prompts and completions)")
+    source.add_argument("--infill", nargs="+", metavar="FILE", help="fill in the middle of each file, marked by one "
+                        f"--infill-marker (default {DEFAULT_MARKER}); needs a checkpoint trained with --fim-rate > 0")
+    fim = p.add_argument_group("fill in the middle (a checkpoint trained with --fim-rate > 0)")
+    fim.add_argument("--prefix", help="the text before the middle (\\n, \\t, \\\\ escapes; default empty with "
+                     "--suffix)")
+    fim.add_argument("--suffix", help="the text after the middle (escapes as --prefix; default empty with --prefix)")
+    fim.add_argument("--infill-marker", default=DEFAULT_MARKER, help="what marks the middle in --infill files "
+                     "(default: %(default)s)")
+    fim.add_argument("--fim-order", choices=FIM_ORDERS, default=None, help="prompt order (default: the one the "
+                     "checkpoint trained with: spm when its --fim-spm-rate was above 0.5, else psm)")
+    p.add_argument("--output", help="write one jsonl record per prompt: its input keys, prompt, completion; "
+                   "infilling: infill (the file), prefix, suffix, completion (the middle) (default: print the "
+                   "prompts and completions, or the filled-in texts)")
     s = p.add_argument_group("sampling")
     s.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default: 128)")
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
@@ -109,6 +131,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                 "replaces it)")
     _add_fields(p, ParallelConfig, PARALLEL_FIELDS, "parallelism")
     args = p.parse_args(argv)
+    args.infilling = args.infill is not None or args.prefix is not None or args.suffix is not None
+    if (args.prefix is not None or args.suffix is not None) and (args.prompt is not None or args.prompt_file
+                                                                  is not None or args.infill is not None):
+        p.error("--prefix/--suffix: not with --prompt, --prompt-file or --infill (they name another input)")
+    if not args.infilling and (args.fim_order is not None or args.infill_marker != DEFAULT_MARKER):
+        p.error("--fim-order and --infill-marker go with --infill or --prefix/--suffix")
+    if not args.infill_marker:
+        p.error("--infill-marker: must not be empty")
     if args.batch_size < 1:
         p.error(f"--batch-size {args.batch_size}: must be >= 1")
     if args.tensor_model_parallel_size < 1:
@@ -151,6 +181,24 @@ def read_prompt_file(path: str) -> list[dict]:
     return records
 
 
+def read_infill_file(path: str, marker: str) -> dict:
+    """{"infill": path, "prefix", "suffix"}: the UTF-8 file split at its one ``marker``."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        why = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else (e.strerror or str(e))
+        raise GenerateError(f"--infill {path}: cannot read it ({why})") from None
+    prefix, suffix = split_at_marker(text, marker, f"--infill {path}")
+    return {"infill": path, "prefix": prefix, "suffix": suffix}
+
+
+def check_infill(tokenizer, config: ModelConfig, fim: FimFormat, record: dict, where: str) -> None:
+    n = len(fim.prompt_ids(tokenizer, record["prefix"], record["suffix"]))
+    if n > config.max_position_embeddings:
+        raise GenerateError(f"{where}: prefix and suffix are {n} tokens with the FIM sentinels; the model has "
+                            f"{config.max_position_embeddings} positions (--max-position-embeddings)")
+
+
 def check_prompt(tokenizer, config: ModelConfig, prompt: str, where: str) -> None:
     n = len(tokenizer.encode(prompt))
     if n == 0:
@@ -162,7 +210,8 @@ def check_prompt(tokenizer, config: ModelConfig, prompt: str, where: str) -> Non
 
 def prepare(args: argparse.Namespace, world_size: int):
     """Everything checkable before any process group: sampling flags, layout, tokenizer, checkpoint, prompts.
-    Returns (sampling params, tokenizer, model config, records or None, the line saying which tokenizer)."""
+    Returns (sampling params, tokenizer, model config, records or None, the line saying which tokenizer, the FIM
+    format when infilling else None)."""
     try:
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, seed=args.seed, stop=tuple(unescape(s) for s in args.stop))
@@ -175,19 +224,30 @@ def prepare(args: argparse.Namespace, world_size: int):
     _, meta = check_checkpoint_layout(args.load, tp)
     settings, which = checkpoint_tokenizer(args.load, meta, {name: getattr(args, name) for name in TOKENIZER_FIELDS})
     tokenizer = load_tokenizer(DataConfig(**settings))
+    fim_tokens_if_trained(meta, tokenizer)  # a FIM-trained model's sentinels, at the ids training gave them
     config = ModelConfig(**meta["model_config"])
     if tokenizer.vocab_size > config.padded_vocab_size:
         raise GenerateError(f"the tokenizer has {tokenizer.vocab_size} ids, more than the {config.padded_vocab_size} "
                             f"of --load {args.load}: pass the tokenizer flags training used")
-    records = None
-    if args.prompt is not None:
+    records, fim = None, None
+    if args.infilling:
+        fim = fim_format(meta, tokenizer, args.fim_order, where=f"checkpoint {args.load}",
+                         flag="--infill" if args.infill is not None else "--prefix/--suffix")
+        if args.infill is not None:
+            records = [read_infill_file(path, args.infill_marker) for path in args.infill]
+        else:
+            records = [{"prefix": unescape(args.prefix or ""), "suffix": unescape(args.suffix or "")}]
+        for record in records:
+            check_infill(tokenizer, config, fim, record, f"--infill {record['infill']}" if "infill" in record
+                         else "--prefix/--suffix")
+    elif args.prompt is not None:
         records = [{"prompt": unescape(args.prompt)}]
         check_prompt(tokenizer, config, records[0]["prompt"], "--prompt")
     elif args.prompt_file is not None:
         records = read_prompt_file(args.prompt_file)
         for i, record in enumerate(records):
             check_prompt(tokenizer, config, record["prompt"], f"--prompt-file {args.prompt_file} prompt {i + 1}")
-    return params, tokenizer, config, records, which
+    return params, tokenizer, config, records, which, fim
 
 
 def init_group(args: argparse.Namespace, world_size: int) -> tuple[object, torch.device]:
@@ -249,7 +309,10 @@ class Sink:
         else:
             if self.count:
                 print("-" * 40)
-            print((record["prompt"] if show_prompt else "") + completion, flush=True)
+            if "suffix" in record:  # an infilled middle: the whole text
+                print(record["prefix"] + completion + record["suffix"], flush=True)
+            else:
+                print((record["prompt"] if show_prompt else "") + completion, flush=True)
         self.count += 1
 
     def close(self) -> None:
@@ -257,10 +320,15 @@ class Sink:
             self.file.close()
 
 
-def run_batches(gen: Generator, records: list[dict], params: SamplingParams, batch_size: int, sink: Sink) -> None:
+def run_batches(gen: Generator, records: list[dict], params: SamplingParams, batch_size: int, sink: Sink,
+                fim: FimFormat | None = None) -> None:
     for start in range(0, len(records), batch_size):
         batch = records[start:start + batch_size]
-        for record, completion in zip(batch, gen.generate([r["prompt"] for r in batch], params)):
+        if fim is None:
+            completions = gen.generate([r["prompt"] for r in batch], params)
+        else:
+            completions = gen.infill([r["prefix"] for r in batch], [r["suffix"] for r in batch], params, fim)
+        for record, completion in zip(batch, completions):
             sink.put(record, completion)
 
 
@@ -295,9 +363,9 @@ def main(argv: list[str] | None = None) -> None:
         warnings.simplefilter("ignore")  # every rank would repeat rank 0's warnings
     args = parse_args(argv)
     try:  # the same on every rank: rank 0 reports
-        params, tokenizer, config, records, which_tokenizer = prepare(args, world_size)
+        params, tokenizer, config, records, which_tokenizer, fim = prepare(args, world_size)
         sink = Sink(args.output, rank)
-    except (GenerateError, ConfigError, TokenizerError, CheckpointError, OSError) as e:
+    except (GenerateError, ConfigError, TokenizerError, CheckpointError, InfillError, OSError) as e:
         fail(str(e), rank)
     if rank == 0:
         print(which_tokenizer, file=sys.stderr, flush=True)
@@ -324,7 +392,7 @@ def main(argv: list[str] | None = None) -> None:
         if records is None:
             interactive(gen, params, config, tokenizer, rank, sink)
         else:
-            run_batches(gen, records, params, args.batch_size, sink)
+            run_batches(gen, records, params, args.batch_size, sink, fim)
     finally:
         sink.close()
         if owns_group and dist.is_initialized():

@@ -5,14 +5,17 @@
         {"module": that rank's state_dict,
          "codegeex_train": {"model_config": asdict(config), "tp_size", "pp_size", "iteration",
                             "num_chunks": v, the model chunks per rank of interleaved 1F1B (optional, 1),
-                            "tokenizer": the five tokenizer flags, file paths absolute (optional)}}
+                            "tokenizer": the five tokenizer flags, file paths absolute, and the four FIM
+                                         flags of a run that trains FIM (optional)}}
 
 Under interleaved 1F1B a rank's file holds all of its chunks' layers under their global names, so it is named and
 read like any stage's; only which layers it holds depends on v (``saved_num_chunks``).
 
 ``tokenizer`` (``tokenizer_settings``) is written by training checkpoints (and copied into universal ones); model
 files converted from elsewhere may lack it. ``checkpoint_tokenizer`` picks what a tool uses: its own tokenizer flags
-when any is given, else the checkpoint's, else the shipped default.
+when any is given, else the checkpoint's, else the shipped default. The FIM flags beside them say whether the
+vocabulary holds the code sentinels (--fim-rate above 0 adds them) and in which order the model learnt to infill
+(``checkpoint_fim``).
 
 ``latest`` is written last and atomically (temp file + os.replace): a crash mid-save leaves the previous
 ``latest`` pointing at the previous, complete tag. It is read without following a symbolic link, at most
@@ -38,6 +41,7 @@ import torch
 from codegeex_train.checkpoint.safe_load import CheckpointError, check_tag_dir, file_kind, safe_torch_load
 from codegeex_train.checkpoint.sharding import merge_state_dicts, partition_spec, stages_of_name
 from codegeex_train.config.model import ModelConfig
+from codegeex_train.data.code_tokens import trained_order
 from codegeex_train.metrics.redaction import redact_secrets
 
 META_KEY = "codegeex_train"
@@ -50,6 +54,8 @@ FUNCTION_FIELDS = ("activation", "layernorm_epsilon")
 TOKENIZER_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "whitespace_encoding")
 TOKENIZER_FILE_FLAGS = {"tokenizer_model": "--tokenizer-model", "vocab_file": "--vocab-file",
                         "merge_file": "--merge-file"}
+# DataConfig's fill-in-the-middle flags, recorded with the tokenizer's.
+FIM_FIELDS = ("fim_rate", "fim_spm_rate", "fim_split_sample", "fim_fragment_rate")
 
 
 # The tags we write (checkpoint_tag; 7 digits or more) and DeepSpeed's default one; nothing else names a tag.
@@ -124,12 +130,27 @@ def tokenizer_settings(flags) -> dict:
     """What a checkpoint records of the tokenizer: the five tokenizer fields of ``flags`` (a ``DataConfig`` or
     anything with them), file paths made absolute (against the current directory) so that tools run elsewhere
     find them, and any credential in them redacted (``metrics.redaction``: a checkpoint is shared more widely than
-    the job; a tool then asks for the flag instead)."""
+    the job; a tool then asks for the flag instead); and, from a run that trains FIM (--fim-rate above 0), the FIM
+    fields (``FIM_FIELDS``)."""
     settings = {name: getattr(flags, name) for name in TOKENIZER_FIELDS}
     for name in TOKENIZER_FILE_FLAGS:
         if settings[name] is not None:
             settings[name] = redact_secrets(os.path.abspath(settings[name]))
+    if getattr(flags, "fim_rate", 0):
+        settings.update({name: getattr(flags, name) for name in FIM_FIELDS})
     return settings
+
+
+def checkpoint_fim(meta: dict) -> dict | None:
+    """The FIM flags (``FIM_FIELDS``) a checkpoint's metadata ``meta`` records, with ``order``: the prompt order to
+    infill in, 'spm' when the run trained mostly SPM (--fim-spm-rate above 0.5), else 'psm' (StarCoder's; both
+    were trained at 0.5). None when the checkpoint records no FIM training (--fim-rate 0, or a checkpoint written
+    before FIM or converted from elsewhere)."""
+    saved = meta.get("tokenizer")
+    if not isinstance(saved, dict) or not saved.get("fim_rate"):
+        return None
+    fim = {name: saved.get(name) for name in FIM_FIELDS}
+    return {**fim, "order": trained_order(fim["fim_spm_rate"] or 0)}
 
 
 def describe_tokenizer(settings: dict) -> str:
@@ -144,8 +165,9 @@ def describe_tokenizer(settings: dict) -> str:
 def checkpoint_tokenizer(directory: str | os.PathLike, meta: dict, flags: dict) -> tuple[dict, str]:
     """(settings, a line saying which tokenizer and why) for a tool that loads checkpoint ``directory`` (``meta``:
     its metadata): the tokenizer flags ``flags`` when any of them is given (set, not the default), else those the
-    checkpoint records, else the shipped default. A recorded file that no longer exists raises CheckpointError
-    naming the file and the flag to pass instead."""
+    checkpoint records (with its FIM flags: ``load_tokenizer`` then adds the sentinels training had), else the
+    shipped default. A recorded file that no longer exists raises CheckpointError naming the file and the flag to
+    pass instead."""
     given = {name: flags.get(name) for name in TOKENIZER_FIELDS}
     if any(given.values()):
         return given, f"tokenizer: {describe_tokenizer(given)} (from the command line)"
@@ -153,6 +175,7 @@ def checkpoint_tokenizer(directory: str | os.PathLike, meta: dict, flags: dict) 
     if not isinstance(saved, dict):
         return given, (f"tokenizer: {describe_tokenizer(given)} (checkpoint {directory} records no tokenizer; "
                        f"pass the tokenizer flags training used if it was another)")
+    fim = {name: saved[name] for name in FIM_FIELDS if name in saved}  # with the sentinels if FIM trained
     saved = {name: saved.get(name) for name in TOKENIZER_FIELDS}
     missing = [name for name in TOKENIZER_FILE_FLAGS if saved[name] is not None and not os.path.exists(saved[name])]
     if missing:  # the flags to pass instead: the recorded ones, a placeholder for each missing file
@@ -164,7 +187,7 @@ def checkpoint_tokenizer(directory: str | os.PathLike, meta: dict, flags: dict) 
         raise CheckpointError(f"checkpoint {directory} records the tokenizer file {gone}, which no longer exists: "
                               f"pass {' '.join(flags_to_pass)} with {' and '.join(n.upper() for n in missing)} a copy "
                               f"of it")
-    return saved, f"tokenizer: {describe_tokenizer(saved)} (recorded in checkpoint {directory})"
+    return {**saved, **fim}, f"tokenizer: {describe_tokenizer(saved)} (recorded in checkpoint {directory})"
 
 
 def save_model_checkpoint(directory: str | os.PathLike, shard_sds: list[dict], config: ModelConfig, tp_size: int,

@@ -43,6 +43,7 @@ from codegeex_train.pipeline.stages import (
 
 
 HUMANEVAL_LANGUAGES = ("python", "cpp", "java", "js", "go")  # evaluation/languages.py's, checked by a test
+INFILLING_BENCHMARKS = ("single-line", "multi-line", "random-span", "random-span-light")  # evaluation/infilling.py's
 MAX_TIMEOUT_MINUTES = 1e6  # about two years; far above it, timedelta (and the backends' milliseconds) overflow
 
 
@@ -143,6 +144,18 @@ class TrainConfig:
     unsafe_no_sandbox: bool = option(False, "run --eval-humaneval-interval's samples without bubblewrap (no kernel "
                                      "isolation: the model's code can read and write what this user can); the "
                                      "humaneval records then say \"sandbox\": \"none (--unsafe-no-sandbox)\"")
+    eval_infilling_interval: int | None = option(None, "greedy HumanEval-infilling pass@1 every N iterations, on "
+                                                 "--eval-infilling-tasks problems of --eval-infilling-benchmark "
+                                                 "(needs --fim-rate above 0; PP 1)", bounds=at_least(1))
+    eval_infilling_benchmark: str = option("single-line", "the HumanEval-infilling benchmark "
+                                           "--eval-infilling-interval scores", choices=INFILLING_BENCHMARKS)
+    eval_infilling_problems: str | None = option(None, "its file (github.com/openai/human-eval-infilling's "
+                                                 "data/HumanEval-*Infilling*.jsonl.gz) or a clone of that repository "
+                                                 "(default: loubnabnl/humaneval_infilling from the Hugging Face hub)")
+    eval_infilling_tasks: int = option(20, "problems scored by --eval-infilling-interval, spread evenly through the "
+                                       "benchmark", bounds=at_least(1))
+    eval_infilling_max_new_tokens: int = option(64, "tokens generated per middle by --eval-infilling-interval",
+                                                bounds=at_least(1))
     deepspeed_config: str | None = option(None, "a DeepSpeed JSON to start from; the flags fill in and must "
                                           "agree with batch sizes, clipping, precision and ZeRO stage")
     zero_stage: int = option(2, "DeepSpeed ZeRO stage", choices=(0, 1, 2))
@@ -213,6 +226,22 @@ class DataConfig:
                                        "CodeGeeXTokenizer)")
     num_workers: int = option(2, "DataLoader worker processes (0: load in the training process)",
                               bounds=at_least(0))
+    # Document masking (Megatron's flags): packed samples hold several EOD-separated documents.
+    reset_position_ids: bool = option(False, "restart position ids at 0 after every EOD of a packed sample")
+    reset_attention_mask: bool = option(False, "attention never crosses an EOD of a packed sample: a token sees "
+                                        "only its own document (the EOD belongs to the document it ends)")
+    eod_mask_loss: bool = option(False, "no loss where the input token is EOD (the prediction of the next "
+                                 "document's first token from nothing of it)")
+    # Fill-in-the-middle (Megatron's flags), applied to the stored tokens as samples are read.
+    fim_rate: float = option(0.0, "fraction of documents (or fragments) turned into fill-in-the-middle examples "
+                             "(0: left-to-right only; 0.5 as StarCoder)", bounds=Range(0, 1))
+    fim_spm_rate: float = option(0.5, "of the FIM examples, the fraction in suffix-prefix-middle order (the rest "
+                                 "prefix-suffix-middle)", bounds=Range(0, 1))
+    fim_split_sample: str | None = option(None, "with --fim-rate: a token (e.g. the repository documents' file "
+                                          "separator <file_sep>) that splits a document into fragments, each "
+                                          "FIM-transformed on its own")
+    fim_fragment_rate: float | None = option(None, "with --fim-split-sample: the FIM rate of each fragment "
+                                             "(default: --fim-rate)", bounds=Range(0, 1))
 
 
 @dataclass
@@ -439,6 +468,20 @@ def validate(args: Args, world_size: int) -> Layout:
             raise ConfigError(f"--eval-humaneval-interval needs --pipeline-model-parallel-size 1 (generation runs on "
                               f"one stage); this run has {dims.pp_size}: evaluate its checkpoints with "
                               f"tools/evaluate_humaneval.py after gathering them to PP 1")
+    if t.eval_infilling_interval is not None:
+        if d.fim_rate == 0:
+            raise ConfigError("--eval-infilling-interval needs --fim-rate above 0: a model trained without "
+                              "fill-in-the-middle cannot infill")
+        if dims.pp_size > 1:
+            raise ConfigError(f"--eval-infilling-interval needs --pipeline-model-parallel-size 1 (generation runs on "
+                              f"one stage); this run has {dims.pp_size}: evaluate its checkpoints with "
+                              f"tools/evaluate_humaneval.py --benchmark after gathering them to PP 1")
+    if d.fim_rate == 0 and (d.fim_split_sample is not None or d.fim_fragment_rate is not None):
+        raise ConfigError("--fim-split-sample and --fim-fragment-rate go with --fim-rate above 0 (fill-in-the-middle "
+                          "is off at --fim-rate 0)")
+    if d.fim_fragment_rate is not None and d.fim_split_sample is None:
+        raise ConfigError("--fim-fragment-rate needs --fim-split-sample (the token that splits documents into "
+                          "fragments)")
     if t.load is not None and not os.path.isdir(t.load):
         raise ConfigError(f"--load {t.load}: no such directory")
     if t.save is not None:

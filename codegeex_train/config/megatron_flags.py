@@ -67,7 +67,9 @@ PRETRAIN: dict[str, ForeignFlag] = {
             "--no-check-for-nan-in-loss-and-grad --optimizer --min-lr --lr-decay-iters --lr-warmup-iters "
             "--lr-warmup-fraction --weight-decay --clip-grad --adam-beta1 --adam-beta2 --adam-eps --sgd-momentum "
             "--data-path --train-data-path --valid-data-path --test-data-path --tokenizer-model --vocab-file "
-            "--merge-file --num-workers --wandb-project --local_rank --finetune --no-load-optim --no-load-rng"),
+            "--merge-file --num-workers --wandb-project --local_rank --finetune --no-load-optim --no-load-rng "
+            "--reset-position-ids --reset-attention-mask --eod-mask-loss --fim-rate --fim-spm-rate "
+            "--fim-split-sample --fim-fragment-rate"),
     **_same("--layernorm-epsilon", "Megatron-DeepSpeed's name (Megatron-LM: --norm-epsilon)"),
     **_same("--distributed-backend", "also auto (the default): nccl on GPU, gloo on CPU"),
     **_same("--fp16", "dynamic loss scaling by DeepSpeed (settings: fp16 section of --deepspeed-config)"),
@@ -154,9 +156,6 @@ PRETRAIN: dict[str, ForeignFlag] = {
     "--disable-bias-linear": ForeignFlag(REFUSED, DROP, "linear layers have biases (CodeGeeX's)"),
     "--vocab-size": ForeignFlag(REFUSED, "the tokenizer's size, padded by --make-vocab-size-divisible-by",
                                 "the vocabulary comes from the tokenizer"),
-    "--eod-mask-loss": ForeignFlag(REFUSED, DROP, "the loss covers every token, EOD included"),
-    **_refused("--reset-position-ids --reset-attention-mask", DROP, "positions and attention run across the "
-               "packed documents (Megatron's default)"),
     "--use-checkpoint-args": ForeignFlag(REFUSED, "the model flags again (--load checks them against the "
                                          "checkpoint)", "the model shape is not read from the checkpoint"),
     **_refused("--no-save-optim --no-save-rng", DROP, "a checkpoint always holds the optimizer and RNG states "

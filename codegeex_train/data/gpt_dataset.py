@@ -11,7 +11,9 @@ Megatron's scheme, rebuilt with numpy:
 * ``shuffle_idx``: a permutation of the samples; ``dataset[i]`` is sample ``shuffle_idx[i]``.
 
 The three arrays are cached as .npy next to the data under a hash of their inputs. Given the model's
-(padded) vocabulary size, every sample's ids are checked against it (token_range.in_vocab).
+(padded) vocabulary size, every sample's ids are checked against it (token_range.in_vocab). With a ``fim``
+transform (--fim-rate), the training split's samples are served through ``fim.FIMDataset`` (validation and test
+stay left-to-right; fim.py says why).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import numpy as np
 import torch
 
 from codegeex_train.data.blended_dataset import BlendedDataset, build_blended_dataset
+from codegeex_train.data.fim import FIM, FIMDataset
 from codegeex_train.data.indexed_dataset import MMapIndexedDataset
 from codegeex_train.data.npy_cache import cache_key, load_or_build
 from codegeex_train.data.token_range import in_vocab, refuse_sample
@@ -195,6 +198,22 @@ def _build_split(
     num_samples: int,
     cache_dir: str | None,
     vocab_size: int | None,
+    fim: FIM | None = None,
+) -> GPTDataset | BlendedDataset | FIMDataset | None:
+    dataset = _build_samples(split_index, blend, seq_length, seed, num_samples, cache_dir, vocab_size)
+    if fim is None or dataset is None or SPLIT_NAMES[split_index] != "train":
+        return dataset
+    return FIMDataset(dataset, fim, seed)
+
+
+def _build_samples(
+    split_index: int,
+    blend: list[tuple[float, MMapIndexedDataset, tuple[int, int]]],
+    seq_length: int,
+    seed: int,
+    num_samples: int,
+    cache_dir: str | None,
+    vocab_size: int | None,
 ) -> GPTDataset | BlendedDataset | None:
     name = SPLIT_NAMES[split_index]
     # A prefix whose share of this split is empty drops out of the blend (Megatron returns None
@@ -225,10 +244,12 @@ def build_train_valid_test_datasets(
     train_valid_test_num_samples: tuple[int, int, int],
     cache_dir: str | None = None,
     vocab_size: int | None = None,
-) -> tuple[GPTDataset | BlendedDataset | None, ...]:
+    fim: FIM | None = None,
+) -> tuple[GPTDataset | BlendedDataset | FIMDataset | None, ...]:
     """Megatron's --data-path + --split: each prefix split by documents, then blended per split.
 
-    A split with no documents or no requested samples is None; ``vocab_size``: check every sample's ids.
+    A split with no documents or no requested samples is None; ``vocab_size``: check every sample's ids; ``fim``:
+    transform the training split.
     """
     blend = [(w, MMapIndexedDataset(p)) for w, p in parse_data_prefix(data_prefix)]
     ranges = [split_document_ranges(split, len(ds)) for _, ds in blend]
@@ -241,6 +262,7 @@ def build_train_valid_test_datasets(
             train_valid_test_num_samples[k],
             cache_dir,
             vocab_size,
+            fim,
         )
         for k in range(3)
     )
@@ -255,8 +277,10 @@ def build_datasets_from_paths(
     train_valid_test_num_samples: tuple[int, int, int],
     cache_dir: str | None = None,
     vocab_size: int | None = None,
-) -> tuple[GPTDataset | BlendedDataset | None, ...]:
-    """Megatron's --train-data-path/--valid-data-path/--test-data-path: whole prefixes per split."""
+    fim: FIM | None = None,
+) -> tuple[GPTDataset | BlendedDataset | FIMDataset | None, ...]:
+    """Megatron's --train-data-path/--valid-data-path/--test-data-path: whole prefixes per split; ``fim``: transform
+    the training split."""
     datasets = []
     for k, path in enumerate((train_data_path, valid_data_path, test_data_path)):
         if not path:
@@ -272,6 +296,7 @@ def build_datasets_from_paths(
                 train_valid_test_num_samples[k],
                 cache_dir,
                 vocab_size,
+                fim,
             )
         )
     return tuple(datasets)

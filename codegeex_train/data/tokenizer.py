@@ -368,7 +368,17 @@ def default_tokenizer(whitespace_encoding: bool = True) -> Tokenizer:
 def load_tokenizer(flags) -> Tokenizer:
     """The tokenizer the data flags name: ``flags`` has ``DataConfig``'s ``tokenizer_type``, ``tokenizer_model``,
     ``vocab_file``, ``merge_file`` and ``whitespace_encoding``; no ``--tokenizer-type`` means the shipped default.
-    Raises ``TokenizerError`` naming the flag."""
+    With ``fim_rate`` above 0 it holds the code sentinels (``code_tokens``), so the model's padded vocabulary has
+    rows for them. Raises ``TokenizerError`` naming the flag."""
+    tokenizer = _tokenizer_from_flags(flags)
+    if getattr(flags, "fim_rate", 0):
+        from codegeex_train.data.code_tokens import code_tokens  # code_tokens imports this module
+
+        code_tokens(tokenizer)
+    return tokenizer
+
+
+def _tokenizer_from_flags(flags) -> Tokenizer:
     if flags.tokenizer_type is None:
         if flags.tokenizer_model or flags.vocab_file or flags.merge_file:
             raise TokenizerError("--tokenizer-model/--vocab-file/--merge-file given without --tokenizer-type")

@@ -1,18 +1,28 @@
 """HumanEval (and HumanEval-X, ``--eval-humaneval-languages``) inside a training run
-(``--eval-humaneval-interval``), handed to the loop as a callback by pretrain.py: the loop calls it and logs what
-it returns, and imports neither evaluation nor generation."""
+(``--eval-humaneval-interval``), and HumanEval-infilling for a model trained with fill-in-the-middle
+(``--eval-infilling-interval``), each handed to the loop as a callback by pretrain.py: the loop calls it and logs
+what it returns, and imports neither evaluation nor generation."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from codegeex_train.data.code_tokens import code_tokens
 from codegeex_train.distributed.topology import Topology
 from codegeex_train.evaluation.humaneval import evaluate_humaneval, select_tasks
+from codegeex_train.evaluation.infilling import (
+    evaluate_infilling,
+    generate_infilling_samples,
+    infilling_params,
+    read_infilling_problems,
+    spread_tasks,
+)
 from codegeex_train.evaluation.languages import get_language
 from codegeex_train.evaluation.problems import read_problems
 from codegeex_train.evaluation.sandbox import UNSAFE, Sandbox, SandboxConfig
 from codegeex_train.evaluation.toolchains import Toolchain, find_tools
-from codegeex_train.generation import Generator, SamplingParams
+from codegeex_train.generation import FimFormat, Generator, SamplingParams
+from codegeex_train.data.code_tokens import trained_order
 
 
 def training_sandbox(unsafe_no_sandbox: bool) -> Sandbox:
@@ -74,5 +84,53 @@ def humaneval_callback(engine, tokenizer, device, topology: Topology, *, tasks: 
         finally:
             engine.train()
         return metrics or None
+
+    return evaluate
+
+
+def infilling_problems(benchmark: str, problems: str | None, tasks: int) -> dict[str, dict]:
+    """``tasks`` problems of the HumanEval-infilling ``benchmark`` spread evenly through it (``problems``: its file
+    or a clone of the repository; None: the hub): ``ProblemsError`` or ValueError otherwise. pretrain.py calls it
+    before any process group."""
+    return spread_tasks(read_infilling_problems(problems, benchmark), tasks)
+
+
+def infilling_callback(engine, tokenizer, device, topology: Topology, *, benchmark: str, problems: str | None,
+                       tasks: int, max_new_tokens: int, fim_spm_rate: float, execute: bool,
+                       unsafe_no_sandbox: bool = False) -> Callable[[int], dict | None]:
+    """iteration -> greedy pass@1 on ``tasks`` problems of the HumanEval-infilling ``benchmark``
+    (``infilling_<benchmark>_pass@1``, split ``infilling``), or None; the model is prompted in the order it trains
+    with (``fim_spm_rate``: ``--fim-spm-rate``; ``generation/infill.py``). Who generates and who executes as in
+    ``humaneval_callback``; an evaluation whose prompts the model cannot take is skipped with a warning.
+
+    ``tokenizer`` is the run's, already holding the FIM sentinels (the run trains with ``--fim-rate`` > 0); one
+    without them is a ValueError here, before training starts."""
+    chosen = infilling_problems(benchmark, problems, tasks)
+    size = tokenizer.vocab_size
+    fim = FimFormat(trained_order(fim_spm_rate), code_tokens(tokenizer))
+    if tokenizer.vocab_size != size:
+        raise ValueError("--eval-infilling-interval: the run's tokenizer lacks the FIM sentinels (it trains without "
+                         "--fim-rate above 0?): a model never shown them cannot infill")
+    params = infilling_params(max_new_tokens=max_new_tokens)
+    sandbox = training_sandbox(unsafe_no_sandbox) if execute and topology.dp_rank == 0 else None
+    if sandbox is not None and sandbox.unsafe:
+        print(f"warning: --unsafe-no-sandbox: infilling samples run without isolation (sandbox: {UNSAFE}); the "
+              f"infilling records say so", flush=True)
+
+    def evaluate(iteration: int) -> dict | None:
+        if topology.dp_rank != 0:
+            return None
+        generator = Generator(engine.module, tokenizer, device)  # puts the module in eval mode
+        try:
+            samples = generate_infilling_samples(generator, chosen, fim, num_samples=1, params=params)
+            if not execute:
+                return None
+            return evaluate_infilling(chosen, samples, benchmark=benchmark, ks=(1,), sandbox=sandbox).metrics()
+        except ValueError as e:
+            if topology.rank == 0:
+                print(f"warning: --eval-infilling-interval skipped at iteration {iteration}: {e}", flush=True)
+            return None
+        finally:
+            engine.train()
 
     return evaluate

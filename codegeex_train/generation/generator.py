@@ -22,13 +22,14 @@ the stopping decisions (end-of-document id, stop strings on the decoded text, ma
 those tokens alone -- are the same everywhere.
 
 Padded vocabulary rows (ids >= the tokenizer's vocabulary) are never chosen. The end-of-document id ends a
-row and is not part of its completion. Pipeline-parallel stages are refused: gather the checkpoint to PP 1
-with tools/convert_checkpoint.py.
+row and is not part of its completion (``infill`` ends rows at the FIM sentinels too: ``infill.py``).
+Pipeline-parallel stages are refused: gather the checkpoint to PP 1 with tools/convert_checkpoint.py.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -37,6 +38,7 @@ import torch.distributed as dist
 from codegeex_train.checkpoint.files import CheckpointError, load_model_checkpoint, read_checkpoint_meta
 from codegeex_train.config.model import ModelConfig
 from codegeex_train.data.tokenizer import Tokenizer, WhitespaceEncodingTokenizer, check_tokenizer_fits_vocab
+from codegeex_train.generation.infill import FimFormat
 from codegeex_train.generation.sampling import SamplingParams, sample_next_tokens
 from codegeex_train.generation.text import decode_whitespace_tokens, truncate_at_stop
 from codegeex_train.model.codegeex import CodeGeeXModel
@@ -122,6 +124,19 @@ class Generator:
         outputs = self.generate_ids(prompt_ids, params)
         return [truncate_at_stop(self.completion_text(p, o), params.stop) for p, o in zip(prompt_ids, outputs)]
 
+    def infill(self, prefixes: list[str], suffixes: list[str], params: SamplingParams, fim: FimFormat) -> list[str]:
+        """The middle of each (prefix, suffix) from a model trained with fill-in-the-middle, prompted in ``fim``'s
+        order (``infill.py``); a middle ends at EOD or any sentinel, and is cut before the first stop string. It
+        is decoded as it reads after the prefix."""
+        if self.tokenizer is None:
+            raise ValueError("Generator.infill needs a tokenizer")
+        if len(prefixes) != len(suffixes):
+            raise ValueError(f"{len(prefixes)} prefixes but {len(suffixes)} suffixes")
+        prompt_ids = [fim.prompt_ids(self.tokenizer, p, s) for p, s in zip(prefixes, suffixes)]
+        outputs = self.generate_ids(prompt_ids, params, end_ids=fim.end_ids)
+        prefix_ids = self.tokenizer.encode_batch(list(prefixes))
+        return [truncate_at_stop(self.completion_text(p, o), params.stop) for p, o in zip(prefix_ids, outputs)]
+
     def completion_text(self, prompt_ids: list[int], completion_ids: list[int]) -> str:
         """The text of ``completion_ids`` as it reads after the prompt, whitespace tokens as spaces."""
         context = prompt_ids[-_CONTEXT_TOKENS:]
@@ -132,10 +147,10 @@ class Generator:
     # --- tokens -------------------------------------------------------------------------------------------
 
     def generate_ids(self, prompt_ids: list[list[int]], params: SamplingParams, *,
-                     use_cache: bool = True) -> list[list[int]]:
+                     use_cache: bool = True, end_ids: Collection[int] = ()) -> list[list[int]]:
         """New token ids for each prompt (a batch of any lengths). A row ends at max_new_tokens, at the
-        end-of-document id (not returned) or once its decoded completion contains a stop string (the ids
-        returned then include the token that completed it; ``generate`` cuts the text).
+        end-of-document id or one of ``end_ids`` (not returned) or once its decoded completion contains a stop
+        string (the ids returned then include the token that completed it; ``generate`` cuts the text).
 
         ``use_cache=False`` recomputes the whole sequence at every step (the reference and the benchmark's
         baseline); the tokens are the same."""
@@ -148,7 +163,7 @@ class Generator:
         if not prompt_ids or max_new == 0:
             return [[] for _ in prompt_ids]
         with torch.no_grad():
-            return self._decode(prompt_ids, params, max_new, use_cache)
+            return self._decode(prompt_ids, params, max_new, use_cache, frozenset(map(int, end_ids)))
 
     def _check_prompts(self, prompt_ids: list[list[int]], max_new_tokens: int) -> int:
         """Validate the prompts; the number of new tokens that fit the model's positions."""
@@ -173,7 +188,7 @@ class Generator:
         return min(max_new_tokens, fits)
 
     def _decode(self, prompt_ids: list[list[int]], params: SamplingParams, max_new: int,
-                use_cache: bool) -> list[list[int]]:
+                use_cache: bool, end_ids: frozenset[int]) -> list[list[int]]:
         b, lengths = len(prompt_ids), [len(p) for p in prompt_ids]
         width = max(lengths)
         tokens = torch.zeros(b, width + max_new - 1, dtype=torch.long, device=self.device)
@@ -198,7 +213,7 @@ class Generator:
             for i, token in enumerate(chosen.tolist()):
                 if not active[i]:
                     continue
-                if token == self.eod:
+                if token == self.eod or token in end_ids:
                     active[i] = False
                     continue
                 outputs[i].append(token)

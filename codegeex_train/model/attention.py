@@ -13,6 +13,22 @@ Sequence parallelism changes only the ends: the projections' inputs arrive split
 all-gathered, the output projection reduce-scatters; the heads in between see the whole sequence. Selective
 recompute of ``core_attn`` keeps the queries, keys and values and re-runs the attention itself in backward (with
 the forward's dropout masks: ``checkpoint`` restores the RNG streams).
+
+Document masking (--reset-attention-mask): packed samples hold several documents and a token attends to the
+earlier tokens of its own document only. The batch carries document ids (b, s) int; the model turns them into one
+(b, 1, s, s) bool block-causal mask per forward (``document_attention_mask``), shared by every attention of the
+stage (the top query layer's too) and passed to SDPA as ``attn_mask`` (an input of ``checkpoint`` under recompute,
+saved by reference, never rebuilt). What it costs, against the ``is_causal`` path that runs when no document ids are
+given (unchanged: same kernel, same numbers):
+  - memory: b·s² bytes for the mask per forward of a stage (or model chunk) (s = 2048, b = 4: 16 MiB), kept
+    while that micro-batch's activations are; SDPA converts a bool mask to an additive one of the query's dtype inside the
+    call (b·s² elements more, transient), and the CPU math path also keeps the (b, n/tp, s, s) probabilities that
+    the flash path never stores;
+  - speed: on GPU an ``attn_mask`` leaves the flash kernel out (it takes causal masks only): SDPA picks the
+    memory-efficient kernel (no s x s probabilities, but slower than flash, more so on long sequences) or the math
+    path where that kernel does not apply. On CPU (torch 2.13, b 2, 8 heads, s 1024, d 64) forward + backward took
+    299 ms with the mask against 186 ms causal. FlexAttention with a block mask would skip the masked blocks, but
+    it needs torch.compile to be fast and has no backward on CPU in torch 2.13; it is not used.
 """
 
 from __future__ import annotations
@@ -102,33 +118,51 @@ class KVCacheSlot:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=self.cache.mask)
 
 
+def document_attention_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """(b, s) document index of each token -> (b, 1, s, s) bool, True where query i may attend to key j: j <= i and
+    both in the same document (the block-causal mask of --reset-attention-mask; the diagonal is always True, so no
+    softmax row is empty)."""
+    s = document_ids.shape[-1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=document_ids.device).tril()  # (s, s)
+    same = document_ids[:, :, None] == document_ids[:, None, :]  # (b, s, s)
+    return (same & causal).unsqueeze(1)  # (b, 1, s, s), broadcast over heads
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int, dropout_p: float,
-                     rng_tracker: RNGStatesTracker | None, cache: KVCacheSlot | None = None) -> torch.Tensor:
+                     rng_tracker: RNGStatesTracker | None, cache: KVCacheSlot | None = None,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T / sqrt(d) + causal) v on (b, s, heads/tp * d) inputs -> (b, s, heads/tp * d).
 
-    With ``cache``: q, k, v are the new positions'; keys and values are appended to the cache and the
+    ``mask`` (b, 1, s, s) bool (True: attend): the block-causal mask of document masking instead of the plain
+    causal one. With ``cache``: q, k, v are the new positions'; keys and values are appended to the cache and the
     queries attend over everything cached (decoding, dropout off)."""
     q, k, v = (_split_heads(t, head_dim) for t in (q, k, v))  # (b, n/tp, s, d)
+    causal = {"is_causal": True} if mask is None else {"attn_mask": mask}
     if cache is not None:
         ctx = cache.attend(q, k, v)
     elif dropout_p > 0.0 and rng_tracker is not None:
         # The probabilities belong to this rank's heads only: draw the mask from the TP-rank stream,
         # or every rank would repeat the same mask on different heads.
         with rng_tracker.fork():
-            ctx = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+            ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, **causal)
     else:
-        ctx = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+        ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, **causal)
     b, _, s, _ = ctx.shape
     return ctx.transpose(1, 2).reshape(b, s, -1)  # (b, s, h/tp)
 
 
 def core_attention(q, k, v, head_dim: int, dropout_p: float, rng_tracker: RNGStatesTracker | None,
-                   cache: KVCacheSlot | None, recompute: bool) -> torch.Tensor:
-    """``causal_attention``, re-run in backward instead of kept when ``recompute`` (training with grad only)."""
+                   cache: KVCacheSlot | None, recompute: bool, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``causal_attention``, re-run in backward instead of kept when ``recompute`` (training with grad only); the
+    mask is one of the recomputed function's inputs."""
+    if cache is not None and mask is not None:
+        raise ValueError("a KV cache builds its own mask: document masking is for training")
     if recompute and cache is None and torch.is_grad_enabled():
-        return checkpoint(lambda q_, k_, v_: causal_attention(q_, k_, v_, head_dim, dropout_p, rng_tracker),
-                          rng_tracker, q, k, v)
-    return causal_attention(q, k, v, head_dim, dropout_p, rng_tracker, cache)
+        def attend(q_, k_, v_, *mask_):
+            return causal_attention(q_, k_, v_, head_dim, dropout_p, rng_tracker, mask=mask_[0] if mask_ else None)
+
+        return checkpoint(attend, rng_tracker, q, k, v, *(() if mask is None else (mask,)))
+    return causal_attention(q, k, v, head_dim, dropout_p, rng_tracker, cache, mask)
 
 
 class ParallelSelfAttention(nn.Module):
@@ -148,11 +182,14 @@ class ParallelSelfAttention(nn.Module):
         self.dense = RowParallelLinear(h, h, tp_group, input_is_parallel=True, sequence_parallel=sp, dtype=dtype,
                                        device=device, init_method=init.scaled(prefix + "dense.weight"))
 
-    def forward(self, x: torch.Tensor, cache: KVCacheSlot | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, cache: KVCacheSlot | None = None
+                ) -> torch.Tensor:
+        """``mask``: (b, 1, s, s) bool of document masking, or None (causal)."""
         qkv = self.query_key_value(x)  # (b, s, 3h/tp) = [q_r | k_r | v_r]
         q, k, v = qkv.split(self.hidden_per_partition, dim=-1)  # 3 x (b, s, h/tp)
         p = self.dropout_p if self.training else 0.0
-        ctx = core_attention(q, k, v, self.head_dim, p, self.rng_tracker, cache, self.recompute_core)  # (b, s, h/tp)
+        ctx = core_attention(q, k, v, self.head_dim, p, self.rng_tracker, cache, self.recompute_core,
+                             mask)  # (b, s, h/tp)
         return self.dense(ctx)  # (b, s, h), or (b, s/tp, h) under SP
 
 
@@ -175,9 +212,12 @@ class TopQueryAttention(nn.Module):
         self.dense = RowParallelLinear(h, h, tp_group, input_is_parallel=True, sequence_parallel=sp, dtype=dtype,
                                        device=device, init_method=init.scaled(prefix + "dense.weight"))
 
-    def forward(self, x: torch.Tensor, query_embeds: torch.Tensor, cache: KVCacheSlot | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, query_embeds: torch.Tensor, mask: torch.Tensor | None = None,
+                cache: KVCacheSlot | None = None) -> torch.Tensor:
+        """``mask``: (b, 1, s, s) bool of document masking, or None (causal)."""
         q = self.query(query_embeds)  # (b, s, h/tp)
         k, v = self.key_value(x).split(self.hidden_per_partition, dim=-1)  # 2 x (b, s, h/tp)
         p = self.dropout_p if self.training else 0.0
-        ctx = core_attention(q, k, v, self.head_dim, p, self.rng_tracker, cache, self.recompute_core)  # (b, s, h/tp)
+        ctx = core_attention(q, k, v, self.head_dim, p, self.rng_tracker, cache, self.recompute_core,
+                             mask)  # (b, s, h/tp)
         return self.dense(ctx)  # (b, s, h), or (b, s/tp, h) under SP

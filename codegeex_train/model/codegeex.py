@@ -4,6 +4,8 @@
     logits_shard = model(input_ids, position_ids)                   # (b, s, v/tp)
     loss = model(input_ids, position_ids, labels=labels)            # (b, s) per-token loss, fp32
     logits = model(input_ids, position_ids, gather_logits=True)     # (b, s, v)
+    loss = model(input_ids, position_ids, labels=labels, document_ids=docs)  # packed documents, (b, s) int:
+                                                                    # attention stays inside each document
     cache = model.new_kv_cache(batch_size, capacity)                # incremental decoding (generation/):
     logits = model(prompt_ids, position_ids, kv_cache=cache, attention_mask=real_tokens)  # fills the cache,
     logits = model(next_ids, next_position_ids, kv_cache=cache)     # then one (b, 1) step at a time
@@ -31,7 +33,7 @@ from torch import nn
 
 from codegeex_train.config.model import ModelConfig
 from codegeex_train.config.recompute import Recompute
-from codegeex_train.model.attention import KVCache
+from codegeex_train.model.attention import KVCache, document_attention_mask
 from codegeex_train.model.embedding import ReplicatedEmbedding, parallel_lm_logits, word_embeddings
 from codegeex_train.model.init import ParamInit
 from codegeex_train.model.transformer import (
@@ -115,23 +117,24 @@ class CodeGeeXModel(nn.Module):
     def _recomputing(self) -> bool:
         return self.training and torch.is_grad_enabled()
 
-    def _run_layers(self, hidden: torch.Tensor, chunk: int) -> torch.Tensor:
-        """The chunk's layers in order; under full recompute each unit keeps its input only."""
+    def _run_layers(self, hidden: torch.Tensor, chunk: int, mask: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The chunk's layers in order; under full recompute each unit keeps its input (and the document mask, if
+        any: ``mask`` is () or its one (b, 1, s, s) tensor) only."""
         layers = [self.layers[str(i)] for i in self.chunk_layers[chunk]]
         i = 0
         while i < len(layers):
             unit = self._unit_of[chunk].get(i) if self._recomputing() else None
             if unit is None:
-                hidden = layers[i](hidden)
+                hidden = layers[i](hidden, *mask)
                 i += 1
                 continue
 
-            def run(x, chunk=tuple(layers[j] for j in unit)):
+            def run(x, *mask_, chunk=tuple(layers[j] for j in unit)):
                 for layer in chunk:
-                    x = layer(x)
+                    x = layer(x, *mask_)
                 return x
 
-            hidden = checkpoint(run, self.rng_tracker, hidden)  # restores both RNG streams on recompute
+            hidden = checkpoint(run, self.rng_tracker, hidden, *mask)  # restores both RNG streams on recompute
             i = unit[-1] + 1
         return hidden
 
@@ -146,7 +149,7 @@ class CodeGeeXModel(nn.Module):
     def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
                 gather_logits: bool = False, kv_cache: KVCache | None = None,
                 attention_mask: torch.Tensor | None = None, last_token_only: bool = False,
-                chunk: int = 0) -> torch.Tensor:
+                chunk: int = 0, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``inputs``: token ids (b, s) on the first stage, hidden states (b, s, h) elsewhere.
 
         Returns hidden states (b, s, h) unless ``post_process``; then the per-token loss (b, s) fp32
@@ -160,6 +163,11 @@ class CodeGeeXModel(nn.Module):
 
         ``chunk``: the model chunk to run (interleaved 1F1B); "first stage" / "last stage" above then mean chunk 0
         of a ``pre_process`` model / the last chunk of a ``post_process`` one.
+
+        ``document_ids`` (b, s) int, training only (--reset-attention-mask): the document of each position of a
+        packed sample (the whole sequence, also under sequence parallelism); every attention of this call, the top
+        query layer's included, then sees only earlier positions of the same document, through one (b, 1, s, s)
+        bool mask built here (attention.py says what it costs). None: the plain causal path, unchanged.
         """
         if not 0 <= chunk < self.num_chunks:
             raise ValueError(f"chunk {chunk}: this stage has {self.num_chunks} model chunk(s)")
@@ -170,6 +178,13 @@ class CodeGeeXModel(nn.Module):
         self.config.check_sequence_length(position_ids.shape[-1])
         if kv_cache is None and attention_mask is not None:
             raise ValueError("attention_mask needs kv_cache: padding is supported when decoding only")
+        if kv_cache is not None and document_ids is not None:
+            raise ValueError("document_ids go with training, not kv_cache (decoding masks padding only)")
+        if document_ids is not None and document_ids.shape != position_ids.shape:
+            raise ValueError(f"document_ids {tuple(document_ids.shape)} and position_ids {tuple(position_ids.shape)}: "
+                             f"one (b, s) entry per position, the whole sequence")
+        # () or the one block-causal mask every attention of this forward reads
+        mask = () if document_ids is None else (document_attention_mask(document_ids),)  # (b, 1, s, s) bool
         if labels is not None and (kv_cache is not None or last_token_only):
             raise ValueError("labels (the training loss) go with neither kv_cache nor last_token_only")
         if kv_cache is not None:
@@ -185,7 +200,7 @@ class CodeGeeXModel(nn.Module):
         else:
             hidden = inputs  # (b, s, h), or (b, s/tp, h) under SP, from the previous stage
         if kv_cache is None:
-            hidden = self._run_layers(hidden, chunk)
+            hidden = self._run_layers(hidden, chunk, mask)
         else:
             for slot, layer in enumerate(self.layers.values()):
                 hidden = layer(hidden, cache=kv_cache.slot(slot))
@@ -198,9 +213,9 @@ class CodeGeeXModel(nn.Module):
         if self.config.top_query_layer:
             queries = self.top_query_embeddings(position_ids)  # (b, s, h), or (b, s/tp, h) under SP
             if kv_cache is None and self._recompute_top_query and self._recomputing():
-                hidden = checkpoint(self.top_query_layer, self.rng_tracker, hidden, queries)
+                hidden = checkpoint(self.top_query_layer, self.rng_tracker, hidden, queries, *mask)
             elif kv_cache is None:
-                hidden = self.top_query_layer(hidden, queries)
+                hidden = self.top_query_layer(hidden, queries, *mask)
             else:  # keys/values from the final hidden states, cached like every layer's
                 hidden = self.top_query_layer(hidden, queries, cache=kv_cache.slot(len(self.layers)))
         if kv_cache is not None:

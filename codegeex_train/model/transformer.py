@@ -92,7 +92,10 @@ class ParallelTransformerLayer(nn.Module):
         return consumer(normed, *args, **kwargs)
 
     def forward(self, x: torch.Tensor, *attention_args: torch.Tensor, cache: KVCacheSlot | None = None) -> torch.Tensor:
-        """``cache``: this layer's slot of a KVCache when decoding incrementally (see attention.py)."""
+        """``attention_args``: the attention's inputs after its hidden states: the top query layer's query embeddings,
+        then (any layer) the (b, 1, s, s) bool document mask of --reset-attention-mask when there is one (a plain
+        tensor argument, so that full recompute's ``checkpoint`` saves it as an input). ``cache``: this layer's slot of
+        a KVCache when decoding incrementally (see attention.py)."""
         attn = self._normed(self.input_layernorm, x, self.attention, *attention_args, cache=cache)  # (b, s, h)
         y = x + self._dropout(attn)
         return y + self._dropout(self._normed(self.post_attention_layernorm, y, self.mlp))

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
 from codegeex_train.config.arguments import ConfigError, DataConfig, TrainConfig
+from codegeex_train.data.fim import fim_from_flags
 from codegeex_train.data.gpt_dataset import (
     build_datasets_from_paths,
     build_train_valid_test_datasets,
@@ -14,6 +17,7 @@ from codegeex_train.data.gpt_dataset import (
 from codegeex_train.data.indexed_dataset import IndexedDatasetError, MMapIndexedDataset
 from codegeex_train.data.sampler import build_pretraining_data_loader
 from codegeex_train.data.token_range import TokenIdError, check_token_ids
+from codegeex_train.data.tokenizer import Tokenizer, load_tokenizer
 from codegeex_train.distributed.layout import Layout
 
 
@@ -53,17 +57,21 @@ def num_samples(train: TrainConfig, layout: Layout) -> tuple[int, int, int]:
     return train.train_iters * layout.global_batch_size, eval_samples, eval_samples
 
 
-def build_datasets(cfg: DataConfig, train: TrainConfig, layout: Layout, rank: int, vocab_size: int | None = None):
+def build_datasets(cfg: DataConfig, train: TrainConfig, layout: Layout, rank: int, vocab_size: int | None = None,
+                   tokenizer: Tokenizer | None = None):
     """Rank 0 builds (and caches) the sample indices first; the others then read them from the cache.
 
-    ``vocab_size`` (the padded vocabulary): every sample's ids are checked against it as it is read."""
+    ``vocab_size`` (the padded vocabulary): every sample's ids are checked against it as it is read. With --fim-rate
+    the training split is FIM-transformed (data/fim.py) with ``tokenizer`` (default: the one the flags name)."""
+    fim = fim_from_flags(cfg, tokenizer or load_tokenizer(cfg)) if cfg.fim_rate else None
+
     def build():
         sizes = num_samples(train, layout)
         if cfg.data_path:
             return build_train_valid_test_datasets(cfg.data_path, cfg.split, train.seq_length, train.seed, sizes,
-                                                   vocab_size=vocab_size)
+                                                   vocab_size=vocab_size, fim=fim)
         return build_datasets_from_paths(cfg.train_data_path, cfg.valid_data_path, cfg.test_data_path,
-                                         train.seq_length, train.seed, sizes, vocab_size=vocab_size)
+                                         train.seq_length, train.seed, sizes, vocab_size=vocab_size, fim=fim)
 
     ready = dist.is_initialized()
     if ready and rank != 0:
@@ -80,14 +88,65 @@ def loader(dataset, consumed_samples: int, layout: Layout, dp_rank: int, num_wor
                                          layout.dims.dp_size, num_workers=num_workers, total_samples=total_samples)
 
 
+@dataclass(frozen=True)
+class DocumentMasking:
+    """Megatron's document masking of packed samples (--reset-position-ids, --reset-attention-mask,
+    --eod-mask-loss) and the end-of-document id the documents are split at. All off: the batch is as before."""
+
+    eod: int | None = None
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+
+    @classmethod
+    def from_config(cls, cfg: DataConfig, eod: int) -> "DocumentMasking":
+        return cls(eod, cfg.reset_position_ids, cfg.reset_attention_mask, cfg.eod_mask_loss)
+
+    @property
+    def enabled(self) -> bool:
+        return self.reset_position_ids or self.reset_attention_mask or self.eod_mask_loss
+
+
 def position_ids(batch_size: int, seq_length: int, device: torch.device) -> torch.Tensor:
     """0 .. s-1 for every sequence (packed samples restart positions at each sample, not each document)."""
     return torch.arange(seq_length, device=device).unsqueeze(0).expand(batch_size, seq_length)  # (b, s)
 
 
-def get_batch(batch: dict, device: torch.device) -> dict[str, torch.Tensor]:
-    """Inputs, shifted labels, positions and the loss mask of one packed micro-batch."""
+def document_ids(tokens: torch.Tensor, eod: int) -> torch.Tensor:
+    """(b, s) input ids -> (b, s) the index of each token's document in its packed sample: the number of EODs
+    before it (an EOD belongs to the document it ends)."""
+    is_eod = (tokens == eod).long()
+    return is_eod.cumsum(dim=1) - is_eod  # (b, s)
+
+
+def document_position_ids(tokens: torch.Tensor, eod: int) -> torch.Tensor:
+    """(b, s) input ids -> (b, s) positions that restart at 0 after every EOD (Megatron's --reset-position-ids)."""
+    b, s = tokens.shape
+    index = position_ids(b, s, tokens.device)
+    starts = torch.zeros_like(tokens, dtype=torch.bool)
+    starts[:, 1:] = tokens[:, :-1] == eod  # a document starts right after an EOD
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values  # its document's first index
+    return index - first  # (b, s)
+
+
+def get_batch(batch: dict, device: torch.device, masking: DocumentMasking | None = None) -> dict[str, torch.Tensor]:
+    """Inputs, shifted labels, positions and the loss mask of one packed micro-batch; with ``masking``, Megatron's
+    document masking (every rule reads the INPUT tokens, as Megatron's get_ltor_masks_and_position_ids does):
+    positions restart after each EOD, ``document_ids`` (b, s) are added for the block-causal attention (the model
+    builds its (b, 1, s, s) mask from them: tokens see their own document only), and the loss skips positions
+    whose input is EOD (the prediction of a new document's first token from nothing of it)."""
     text = batch["text"].to(device, non_blocking=True)  # (b, s + 1)
     tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
-    return {"input_ids": tokens, "labels": labels, "position_ids": position_ids(*tokens.shape, device),
-            "loss_mask": torch.ones_like(labels, dtype=torch.float32)}
+    out = {"input_ids": tokens, "labels": labels, "position_ids": position_ids(*tokens.shape, device),
+           "loss_mask": torch.ones_like(labels, dtype=torch.float32)}
+    if "loss_mask" in batch:  # FIM's <fim_pad> padding (data/fim.py): no loss where the label is padding
+        out["loss_mask"] = out["loss_mask"] * batch["loss_mask"].to(device, non_blocking=True)
+    if masking is None or not masking.enabled:
+        return out
+    if masking.reset_position_ids:
+        out["position_ids"] = document_position_ids(tokens, masking.eod)
+    if masking.reset_attention_mask:
+        out["document_ids"] = document_ids(tokens, masking.eod)
+    if masking.eod_mask_loss:
+        out["loss_mask"][tokens == masking.eod] = 0.0
+    return out

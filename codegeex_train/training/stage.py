@@ -9,7 +9,10 @@ exactly as with PP = 1:
     the surrogate ``sum(output * output_grad)`` (its gradient w.r.t. the output is ``output_grad`` exactly)
     with ``scale_wrt_gas=False``, divided by the fp16 loss scale that ``engine.backward`` multiplies in
     (a power of two: exact).
-Only the first stage reads input ids and the last stage labels; middle stages never touch the data.
+Only the first stage reads input ids and the last stage labels; middle stages never touch the data, except with
+--reset-attention-mask: then every stage (every chunk) reads the same micro-batch for its document ids, since each
+attention needs the mask. Stages read the DP rank's loader in the same order (every TP/PP rank of a DP rank has
+the same sampler), so micro-batch mb is the loader's mb-th batch on every stage.
 
 Interleaved 1F1B (``num_chunks`` = v > 1): the rank's v model chunks are one module under one engine, so a
 micro-batch makes v top-level backwards here, m·v per step. ZeRO-2 must see the step's accumulation boundary at
@@ -28,11 +31,13 @@ from typing import Iterator
 
 import torch
 
-from codegeex_train.training.data import get_batch, position_ids
+from codegeex_train.training.data import DocumentMasking, get_batch, position_ids
 
 
 def masked_mean(loss_per_token: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    return (loss_per_token * loss_mask).sum() / loss_mask.sum()
+    """Mean loss over the unmasked tokens; 0 (with zero gradients) when every token is masked (--eod-mask-loss on an
+    all-EOD micro-batch) instead of 0/0. The mask is 0/1, so the clamp changes no other micro-batch's value."""
+    return (loss_per_token * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
 
 
 class EngineStage:
@@ -40,15 +45,22 @@ class EngineStage:
 
     def __init__(self, engine, batches: Iterator[dict] | None, *, is_first: bool, is_last: bool,
                  micro_batch_size: int, seq_length: int, device: torch.device, num_microbatches: int,
-                 first_forward_context=None, num_chunks: int = 1):
+                 first_forward_context=None, num_chunks: int = 1, masking: DocumentMasking | None = None):
         self.engine, self.batches = engine, batches
         self.num_chunks = num_chunks
+        self.masking = masking if masking is not None and masking.enabled else None
         self.first_forward_context = first_forward_context  # wraps micro-batch 0's forward (memory accounting)
         self.is_first, self.is_last = is_first, is_last
         self.shape, self.device = (micro_batch_size, seq_length), device
         self.num_microbatches = num_microbatches
         self.losses: list[torch.Tensor] = []
         self.backwards = 0
+        # Micro-batches read but still needed by a later chunk of this rank: mb -> tensors. Interleaved forwards
+        # run p micro-batches per chunk, so at most p are held; without interleaving one, for one forward.
+        self._held: dict[int, dict[str, torch.Tensor]] = {}
+        self._read = 0
+        readers = [c for c in range(num_chunks) if self._reads(c)]
+        self._last_reader = readers[-1] if readers else None
 
     def _first(self, chunk: int) -> bool:
         return self.is_first and chunk == 0
@@ -56,18 +68,39 @@ class EngineStage:
     def _last(self, chunk: int) -> bool:
         return self.is_last and chunk == self.num_chunks - 1
 
+    def _reads(self, chunk: int) -> bool:
+        """Whether this chunk's forward needs the micro-batch: ids (first), labels (last), document ids (every
+        chunk with --reset-attention-mask)."""
+        masked = self.masking is not None and self.masking.reset_attention_mask
+        return self._first(chunk) or self._last(chunk) or masked
+
+    def _batch(self, mb: int, chunk: int) -> dict[str, torch.Tensor] | None:
+        """Micro-batch ``mb``, read at its first forward on this rank (forwards reach new micro-batches in order),
+        kept until the last chunk that needs it."""
+        if not self._reads(chunk):
+            return None
+        if mb not in self._held:
+            assert mb == self._read, f"micro-batch {mb} needed before {self._read}: the schedule's order changed"
+            # masking off: called as always (tests record get_batch's calls with these two arguments)
+            args = (self.device,) if self.masking is None else (self.device, self.masking)
+            self._held[mb] = get_batch(next(self.batches), *args)
+            self._read += 1
+        return self._held.pop(mb) if chunk == self._last_reader else self._held[mb]
+
     def forward_step(self, mb: int, input_tensor: torch.Tensor | None, chunk: int = 0) -> torch.Tensor:
         first, last = self._first(chunk), self._last(chunk)
-        batch = get_batch(next(self.batches), self.device) if (first or last) else None
+        batch = self._batch(mb, chunk)
         positions = batch["position_ids"] if batch else position_ids(*self.shape, self.device)
         if first:
             inputs = batch["input_ids"]
         else:
             inputs = input_tensor.requires_grad_(torch.is_grad_enabled())  # (b, s, h) from the previous stage
         context = self.first_forward_context if (mb, chunk) == (0, 0) and self.first_forward_context else nullcontext()
-        chunk_kw = {"chunk": chunk} if self.num_chunks > 1 else {}
+        kw = {"chunk": chunk} if self.num_chunks > 1 else {}
+        if batch is not None and "document_ids" in batch:  # (b, s): block-causal attention inside each document
+            kw["document_ids"] = batch["document_ids"]
         with context:
-            output = self.engine(inputs, positions, labels=batch["labels"] if last else None, **chunk_kw)
+            output = self.engine(inputs, positions, labels=batch["labels"] if last else None, **kw)
         if not last:
             return output  # (b, s, h)
         loss = masked_mean(output, batch["loss_mask"])

@@ -33,6 +33,7 @@ from codegeex_train.pipeline import (
     with_p2p_ops,
 )
 from codegeex_train.tensor_parallel import RNGStatesTracker
+from codegeex_train.training.data import DocumentMasking
 from codegeex_train.training.exit_conditions import (
     ExitConditions,
     NumericalHealth,
@@ -62,6 +63,8 @@ class Run:
     # --eval-humaneval-interval: iteration -> the record's metrics (or None: nothing to log on this rank), handed
     # over by pretrain.py so that the loop imports no evaluation or generation.
     evaluate_humaneval: Callable[[int], dict | None] | None = None
+    evaluate_infilling: Callable[[int], dict | None] | None = None  # --eval-infilling-interval, as evaluate_humaneval
+    masking: DocumentMasking | None = None  # --reset-position-ids / --reset-attention-mask / --eod-mask-loss
     # Tests only (training/fault_injection.py): iteration -> a context the step runs in. None costs nothing.
     step_context: Callable[[int], ContextManager] | None = None
 
@@ -81,15 +84,18 @@ class Run:
 
     @property
     def reads_data(self) -> bool:
-        """The first stage reads input ids, the last labels; middle stages never touch the data."""
-        return self.topology.is_first_stage or self.topology.is_last_stage
+        """The first stage reads input ids, the last labels; middle stages only the document ids of
+        --reset-attention-mask."""
+        masked = self.masking is not None and self.masking.reset_attention_mask
+        return self.topology.is_first_stage or self.topology.is_last_stage or masked
 
     def stage(self, batches: Iterator[dict] | None, first_forward_context=None) -> EngineStage:
         v = self.layout.num_chunks
         return (ChunkedEngineStage if v > 1 else EngineStage)(
             self.engine, batches, is_first=self.topology.is_first_stage, is_last=self.topology.is_last_stage,
             micro_batch_size=self.layout.micro_batch_size, seq_length=self.args.train.seq_length, device=self.device,
-            num_microbatches=self.layout.num_microbatches, first_forward_context=first_forward_context, num_chunks=v)
+            num_microbatches=self.layout.num_microbatches, first_forward_context=first_forward_context, num_chunks=v,
+            masking=self.masking)
 
     def schedule(self, *, train: bool = True, num_microbatches: int | None = None):
         """This rank's ops for one training step (1F1B, interleaved when v > 1) or a forward-only pass."""
@@ -304,6 +310,11 @@ def _train(run: Run, state: TrainState, train_loader, valid_loader, test_loader,
             metrics = run.evaluate_humaneval(state.iteration)
             if metrics is not None:
                 run.logger.log({"iteration": state.iteration, "split": "humaneval", **metrics})
+        if (run.evaluate_infilling and t.eval_infilling_interval and state.iteration % t.eval_infilling_interval == 0
+                and stop_reason is None):
+            metrics = run.evaluate_infilling(state.iteration)
+            if metrics is not None:
+                run.logger.log({"iteration": state.iteration, "split": "infilling", **metrics})
         saving = t.save and (last or (t.save_interval and state.iteration % t.save_interval == 0))
         if saving:
             state.wandb_run_id = run.logger.wandb_run_id
