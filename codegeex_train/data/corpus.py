@@ -15,6 +15,10 @@ JSON lines are read as bytes, one line at a time, so a bad line (invalid UTF-8 o
 deeply, not an object, no string field, a lone surrogate the tokenizer cannot take) is reported at
 its true line number and can be skipped like any other. `max_chars` drops documents longer than
 that before they reach a tokenizer, and before a huge line or file is read whole.
+
+`iter_records` is the reader underneath: each document with where it came from (file, line or row,
+the --input entry that named it) and the JSON object or parquet row that held it, for callers that
+need the other fields (source_files.py: repository, path, language).
 """
 
 import dataclasses
@@ -29,30 +33,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from codegeex_train.data.code_languages import language_header
+
 logger = logging.getLogger(__name__)
 
 JSON_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz")
-
-# extension -> (language name, line-comment prefix) for CodeGeeX's language tag.
-LANGUAGES: dict[str, tuple[str, str]] = {
-    ".py": ("Python", "#"),
-    ".c": ("C", "//"),
-    ".h": ("C", "//"),
-    ".cc": ("C++", "//"),
-    ".cpp": ("C++", "//"),
-    ".hpp": ("C++", "//"),
-    ".cu": ("Cuda", "//"),
-    ".java": ("Java", "//"),
-    ".js": ("JavaScript", "//"),
-    ".ts": ("TypeScript", "//"),
-    ".go": ("Go", "//"),
-    ".rs": ("Rust", "//"),
-    ".sh": ("Shell", "#"),
-    ".rb": ("Ruby", "#"),
-    ".sql": ("SQL", "--"),
-    ".lua": ("Lua", "--"),
-}
-
 
 class CorpusError(ValueError):
     """Bad corpus input; the message names the file (and line) and the fix."""
@@ -71,12 +56,30 @@ class CorpusStats:
     """Empty documents, always dropped."""
     oversized: int = 0
     """Documents longer than `max_chars`, dropped."""
+    bytes_total: int = 0
+    """Size on disk of every input file (known once the inputs are listed): a progress bar's total."""
+    bytes_read: int = 0
+    """How far reading has got, in bytes on disk (compressed bytes for .gz; parquet counts whole files)."""
 
 
-def language_header(path: str | Path) -> str:
-    """CodeGeeX's first line for a source file, e.g. `# language: Python\\n`; '' if unknown."""
-    entry = LANGUAGES.get(Path(path).suffix.lower())
-    return f"{entry[1]} language: {entry[0]}\n" if entry else ""
+@dataclasses.dataclass(slots=True)
+class Record:
+    """One document as read, with where it came from."""
+
+    text: str
+    source: Path
+    """The file."""
+    input: str
+    """The input entry (file or directory) that named the file."""
+    number: int
+    """Line (JSON lines) or row (parquet), from 1; 0 for a whole file (.txt, source)."""
+    fields: dict | None
+    """The JSON object or parquet row holding the text; None for a whole file."""
+
+    @property
+    def origin(self) -> str:
+        """`file:line` (or `file:row`), or the file's path: what reports name."""
+        return f"{self.source}:{self.number}" if self.number else str(self.source)
 
 
 def _kind(path: Path, extensions: tuple[str, ...]) -> str:
@@ -102,20 +105,26 @@ def _open_binary(path: Path) -> IO[bytes]:
 
 def expand_inputs(inputs: list[str], extensions: tuple[str, ...] = (".py",)) -> list[Path]:
     """Files named by `inputs`; directories become their source files with `extensions`, sorted."""
-    files: list[Path] = []
+    return [path for _, path in _expand_named(inputs, extensions)]
+
+
+def _expand_named(inputs: list[str], extensions: tuple[str, ...]) -> list[tuple[str, Path]]:
+    """(input entry, file) for every file `expand_inputs` lists."""
+    files: list[tuple[str, Path]] = []
     for name in inputs:
         path = Path(name)
         if path.is_dir():
             found = (p for p in path.rglob("*") if p.is_file() and p.suffix in extensions)
-            files.extend(sorted(found, key=lambda p: p.relative_to(path).as_posix()))
+            files.extend((name, p) for p in sorted(found, key=lambda p: p.relative_to(path).as_posix()))
         elif path.is_file():
-            files.append(path)
+            files.append((name, path))
         else:
             raise CorpusError(f"corpus input {name}: no such file or directory")
     return files
 
 
-def _bad(message: str, skip_bad_lines: bool, stats: CorpusStats) -> None:
+def bad_record(message: str, skip_bad_lines: bool, stats: CorpusStats) -> None:
+    """Raise CorpusError for a bad record, or count it in `stats.skipped` with `skip_bad_lines`."""
     if not skip_bad_lines:
         raise CorpusError(f"{message} (to skip such records: skip_bad_lines / --skip-bad-lines)")
     stats.skipped += 1
@@ -136,8 +145,8 @@ _JSON_TYPES = {list: "array", str: "string", int: "number", float: "number", boo
                type(None): "null"}
 
 
-def _json_document(line: bytes, first_line: bool, key: str) -> str | None:
-    """The string in field `key` of one JSON line (None for a blank line); _BadRecord if none."""
+def _json_document(line: bytes, first_line: bool, key: str) -> tuple[str, dict] | None:
+    """(the string in field `key`, the object) of one JSON line (None for a blank line); _BadRecord if none."""
     try:  # a byte-order mark is tolerated at the start of the file only
         decoded = line.decode("utf-8-sig" if first_line else "utf-8")
     except UnicodeDecodeError as e:
@@ -156,10 +165,12 @@ def _json_document(line: bytes, first_line: bool, key: str) -> str | None:
         raise _BadRecord(f"not a JSON object (a JSON {_JSON_TYPES.get(type(record), 'value')})")
     text = record.get(key)
     if not isinstance(text, str):
-        raise _BadRecord(f"no string field {key!r}")
+        hint = " (The Stack's and StarCoderData's is 'content': --json-keys content)" if (
+            key == "text" and isinstance(record.get("content"), str)) else ""
+        raise _BadRecord(f"no string field {key!r}{hint}")
     if not text.isascii() and _LONE_SURROGATE.search(text):  # isascii() is O(1), and most code is ASCII
         raise _BadRecord(f"field {key!r} holds a lone surrogate (a \\ud800-\\udfff escape): not text")
-    return text
+    return text, record
 
 
 def _skip_rest_of_line(f: IO[bytes]) -> None:
@@ -169,25 +180,29 @@ def _skip_rest_of_line(f: IO[bytes]) -> None:
 
 def _iter_json_lines(
     path: Path, key: str, skip: bool, stats: CorpusStats, max_chars: int = 0
-) -> Iterator[str]:
+) -> Iterator[tuple[int, str, dict]]:
+    """(line number, text, object) of every good line."""
     cap = max_chars * _JSON_BYTES_PER_CHAR + _JSON_OTHER_FIELDS_BYTES if max_chars else -1
     lineno = 0
+    start = stats.bytes_read
     try:
         with _open_binary(path) as f:
+            position = getattr(f, "fileobj", f).tell  # on disk: a .gz's compressed bytes
             while line := f.readline(cap):
                 lineno += 1
+                stats.bytes_read = start + position()
                 if len(line) == cap and not line.endswith(b"\n"):
                     line = b""  # hold no part of it while skipping the rest
                     _skip_rest_of_line(f)
                     stats.oversized += 1
                     continue
                 try:
-                    text = _json_document(line, lineno == 1, key)
+                    found = _json_document(line, lineno == 1, key)
                 except _BadRecord as e:
-                    _bad(f"{path}:{lineno}: {e}", skip, stats)
+                    bad_record(f"{path}:{lineno}: {e}", skip, stats)
                     continue
-                if text is not None:
-                    yield text
+                if found is not None:
+                    yield lineno, *found
     except (EOFError, zlib.error, gzip.BadGzipFile) as e:  # truncated or corrupt .gz
         raise CorpusError(f"{path}: cannot read past line {lineno}: {e}") from e
 
@@ -197,7 +212,8 @@ def _field(record: Any, key: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _iter_parquet(path: Path, key: str, skip: bool, stats: CorpusStats) -> Iterator[str]:
+def _iter_parquet(path: Path, key: str, skip: bool, stats: CorpusStats) -> Iterator[tuple[int, str, dict]]:
+    """(row number, text, row) of every good row."""
     import pyarrow  # a dependency of datasets
 
     datasets = offline_datasets()
@@ -209,9 +225,9 @@ def _iter_parquet(path: Path, key: str, skip: bool, stats: CorpusStats) -> Itera
         for row_number, row in enumerate(rows, start=1):
             text = _field(row, key)
             if text is None:
-                _bad(f"{path}: row {row_number}: column {key!r} is not a string", skip, stats)
+                bad_record(f"{path}: row {row_number}: column {key!r} is not a string", skip, stats)
                 continue
-            yield text
+            yield row_number, text, row
     except pyarrow.ArrowException as e:  # not parquet, truncated, corrupt
         raise CorpusError(f"{path}: cannot read past row {row_number} as parquet: {e}") from e
 
@@ -223,8 +239,53 @@ def _read_whole(path: Path, skip: bool, stats: CorpusStats, max_chars: int = 0) 
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        _bad(f"{path}: not UTF-8 ({e.reason} at byte {e.start})", skip, stats)
+        bad_record(f"{path}: not UTF-8 ({e.reason} at byte {e.start})", skip, stats)
         return None
+
+
+def iter_records(
+    inputs: list[str],
+    key: str = "text",
+    extensions: tuple[str, ...] = (".py",),
+    skip_bad_lines: bool = False,
+    stats: CorpusStats | None = None,
+    max_chars: int = 0,
+) -> Iterator[Record]:
+    """Every document of `inputs` with where it came from, in input order (see `iter_documents`, which
+    keeps its rules: empty and oversized documents dropped and counted, bad records raise or are skipped)."""
+    stats = stats if stats is not None else CorpusStats()
+    named = [(name, path, path.stat().st_size) for name, path in _expand_named(inputs, extensions)]
+    stats.bytes_total = sum(size for _, _, size in named)
+    for name, path, size in named:
+        stats.files += 1
+        start = stats.bytes_read
+        kind = _kind(path, extensions)
+        if kind == "json":
+            rows: Iterator[tuple[int, str, dict | None]] = _iter_json_lines(path, key, skip_bad_lines, stats,
+                                                                              max_chars)
+        elif kind == "parquet":
+            rows = _iter_parquet(path, key, skip_bad_lines, stats)
+        else:
+            text = _read_whole(path, skip_bad_lines, stats, max_chars)
+            rows = iter([] if text is None else [(0, text, None)])
+        for number, doc, fields in rows:
+            if not doc:
+                stats.empty += 1
+                continue
+            if max_chars and len(doc) > max_chars:
+                stats.oversized += 1
+                continue
+            stats.documents += 1
+            yield Record(doc, path, name, number, fields)
+        stats.bytes_read = start + size
+    if stats.skipped:
+        logger.warning("skipped %d bad records in %s", stats.skipped, inputs)
+    if stats.documents == 0:
+        oversized = f"; {stats.oversized} longer than {max_chars} characters" if stats.oversized else ""
+        raise CorpusError(
+            f"no documents found in {inputs} (json field {key!r}, source extensions {extensions}"
+            f"{oversized})"
+        )
 
 
 def iter_documents(
@@ -242,38 +303,13 @@ def iter_documents(
     with it first. Empty documents are dropped, and so are documents of more than `max_chars`
     characters (0: no limit), counted in `stats.oversized`. Bad records raise CorpusError naming
     the file and line, or are skipped and counted in `stats` (and a warning) with `skip_bad_lines`.
+    Source files get CodeGeeX's language tag with `language_tag`.
     """
-    stats = stats if stats is not None else CorpusStats()
-    key = json_keys[0]
-    for path in expand_inputs(inputs, extensions):
-        stats.files += 1
-        kind = _kind(path, extensions)
-        if kind == "json":
-            texts: Iterator[str] = _iter_json_lines(path, key, skip_bad_lines, stats, max_chars)
-        elif kind == "parquet":
-            texts = _iter_parquet(path, key, skip_bad_lines, stats)
+    for record in iter_records(inputs, json_keys[0], extensions, skip_bad_lines, stats, max_chars):
+        if language_tag and record.fields is None and record.source.suffix in extensions:
+            yield language_header(record.source) + record.text
         else:
-            text = _read_whole(path, skip_bad_lines, stats, max_chars)
-            if text and kind == "source" and language_tag:
-                text = language_header(path) + text
-            texts = iter([] if text is None else [text])
-        for doc in texts:
-            if not doc:
-                stats.empty += 1
-                continue
-            if max_chars and len(doc) > max_chars:
-                stats.oversized += 1
-                continue
-            stats.documents += 1
-            yield doc
-    if stats.skipped:
-        logger.warning("skipped %d bad records in %s", stats.skipped, inputs)
-    if stats.documents == 0:
-        oversized = f"; {stats.oversized} longer than {max_chars} characters" if stats.oversized else ""
-        raise CorpusError(
-            f"no documents found in {inputs} (json field {key!r}, source extensions {extensions}"
-            f"{oversized})"
-        )
+            yield record.text
 
 
 def offline_datasets() -> Any:

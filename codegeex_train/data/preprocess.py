@@ -4,8 +4,20 @@ Documents are read in order in this process, tokenized in batches by a pool of w
 are taken in submission order, so any worker count writes the same bytes), and appended to
 ``{output_prefix}_{json_key}_document.bin/.idx``, Megatron's naming.
 
-A run is all or nothing: the outputs of every JSON key appear together when the last key is done;
-on any failure (a bad record, a dead worker, a full disk, Ctrl-C) no .bin/.idx or .tmp is left.
+Between reading and tokenizing, on source files (``DocumentSpec``, ``FilterSpec``)::
+
+    read -> decontaminate -> deduplicate -> file documents (optionally language-tagged)
+                                         -> or repository documents (grouped, ordered; repo_documents.py)
+
+Decontamination and deduplication work on files, before any grouping; their per-file work (benchmark search,
+MinHash signature) runs in the workers, their decisions here in corpus order, so any worker count drops the same
+files. Their reports land beside the outputs: ``{output_prefix}_dedup.json``,
+``{output_prefix}_decontamination.json``; a tokenizer that got the sentinels appended (repository documents with a
+Hugging Face tokenizer that lacked them) is saved as ``{output_prefix}_tokenizer.json``, for training's
+--tokenizer-model.
+
+A run is all or nothing: the outputs of every JSON key (and the reports) appear together when the last key is done;
+on any failure (a bad record, a dead worker, a full disk, Ctrl-C) no .bin/.idx, report or .tmp is left.
 Documents longer than ``max_document_chars`` never reach a tokenizer: Hugging Face's byte-level
 BPE needs about 190 bytes of memory per character of one document (measured), so a stray 100 MB
 line would need ~19 GB in one worker.
@@ -13,28 +25,42 @@ line would need ~19 GB in one worker.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import errno
+import json
 import os
 import signal
 import time
-from concurrent.futures import Future, ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
-from typing import Any, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
-from codegeex_train.data.corpus import CorpusError, CorpusStats, iter_documents
+from codegeex_train.data.code_tokens import CodeTokens, code_tokens
+from codegeex_train.data.corpus import CorpusError, CorpusStats
 from codegeex_train.data.default_corpus import default_corpus_files
+from codegeex_train.data.file_filters import FileFilter, FilterSpec
 from codegeex_train.data.indexed_dataset import IndexedDatasetBuilder, best_dtype
+from codegeex_train.data.preprocess_outputs import PreprocessSummary, Reports, tokenizer_json
+from codegeex_train.data.repo_documents import (
+    REPO_FORMATS,
+    DocumentSpec,
+    Repository,
+    encode_repository,
+    group_repositories,
+)
+from codegeex_train.data.source_files import SourceFile, iter_source_files
 from codegeex_train.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer, build_tokenizer
+from codegeex_train.data.worker_pool import BATCH_CHARS, INTERRUPTS, OrderedPool, WorkerDiedError, batches
+from codegeex_train.data.worker_pool import interrupts_held as _interrupts_held
 
 __all__ = [
     "DEFAULT_INPUT",
     "DEFAULT_MAX_DOCUMENT_CHARS",
+    "DocumentSpec",
+    "FilterSpec",
     "PreprocessSummary",
     "TokenizerSpec",
     "WorkerDiedError",
@@ -48,16 +74,6 @@ DEFAULT_INPUT = "default"
 DEFAULT_MAX_DOCUMENT_CHARS = 1 << 20
 """``--max-document-chars``: 1 Mi characters, so nothing of a corpus filtered at 1 MB per file
 (BigCode's The Stack, Codex's training set) is dropped; about 200 MB and 2 s of tokenizing."""
-
-_INTERRUPTS = {signal.SIGINT, signal.SIGTERM}
-
-_BATCH_CHARS = 1 << 20
-"""A batch closes at ``docs_per_batch`` documents or this many characters, whichever comes first:
-together with the document limit it bounds what one worker holds (about 400 MB at the defaults)."""
-
-
-class WorkerDiedError(RuntimeError):
-    """A tokenizer worker process died (killed by a signal, e.g. the out-of-memory killer)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,55 +90,26 @@ class TokenizerSpec:
         return build_tokenizer(**dataclasses.asdict(self))
 
 
-@dataclasses.dataclass
-class PreprocessSummary:
-    documents: int
-    tokens: int
-    seconds: float
-    output_prefixes: list[str]
-    skipped_bad: int = 0
-    """Bad records skipped with ``skip_bad_lines`` (summed over JSON keys)."""
-    skipped_oversized: int = 0
-    """Documents longer than ``max_document_chars``, skipped (summed over JSON keys)."""
-    max_document_chars: int = 0
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.tokens / max(self.seconds, 1e-9)
-
-    @property
-    def documents_per_second(self) -> float:
-        return self.documents / max(self.seconds, 1e-9)
-
-    def __str__(self) -> str:
-        skipped = ""
-        if self.skipped_bad:
-            skipped += f"; skipped {self.skipped_bad} bad records (--skip-bad-lines)"
-        if self.skipped_oversized:
-            skipped += (f"; skipped {self.skipped_oversized} documents over --max-document-chars "
-                        f"{self.max_document_chars}")
-        return (
-            f"{self.documents} documents, {self.tokens} tokens in {self.seconds:.1f} s "
-            f"({self.documents_per_second:,.0f} docs/s, {self.tokens_per_second:,.0f} tokens/s) "
-            f"-> {', '.join(p + '.bin/.idx' for p in self.output_prefixes)}{skipped}"
-        )
-
-
-# Per-process tokenizer of a pool worker. Pool initializers can only hand state to later tasks
+# Per-process state of a pool worker. Pool initializers can only hand state to later tasks
 # through the worker's module namespace; it is set once per worker and never read elsewhere.
 _worker: dict[str, Any] = {}
 
 
-def _init_worker(spec: TokenizerSpec, append_eod: bool) -> None:
+def _init_worker(spec: TokenizerSpec, append_eod: bool, repo_format: str | None = None,
+                 tokens: CodeTokens | None = None, file_filter: FileFilter | None = None) -> None:
     # Ctrl-C reaches the whole process group: the main process alone handles it (and stops the
     # workers); SIGTERM kills a worker outright, whatever handler the main process installed.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, _INTERRUPTS)  # held back while the pool forked us
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, INTERRUPTS)  # held back while the pool forked us
     # The processes are the parallelism: Hugging Face's thread pool in every worker on top
     # oversubscribes the cores (on 2 cores, 2 workers were then no faster than 1).
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    _worker["tokenizer"], _worker["append_eod"] = spec.build(), append_eod
+    tokenizer = spec.build()
+    if tokens is not None and code_tokens(tokenizer) != tokens:  # appended in a fixed order: the same ids
+        raise RuntimeError(f"a worker's sentinels {code_tokens(tokenizer)} differ from {tokens}")
+    _worker.update(tokenizer=tokenizer, append_eod=append_eod, repo_format=repo_format, tokens=tokens,
+                   file_filter=file_filter)
 
 
 def _encode(tokenizer: Tokenizer, texts: list[str], append_eod: bool) -> list[np.ndarray]:
@@ -132,102 +119,23 @@ def _encode(tokenizer: Tokenizer, texts: list[str], append_eod: bool) -> list[np
     return [np.array(ids + eod, dtype=dtype) for ids in tokenizer.encode_batch(texts)]
 
 
-def _encode_in_worker(texts: list[str]) -> list[np.ndarray]:
-    return _encode(_worker["tokenizer"], texts, _worker["append_eod"])
+def _encode_repositories(tokenizer: Tokenizer, tokens: CodeTokens, repo_format: str, repos: list[Repository],
+                         append_eod: bool) -> list[np.ndarray]:
+    dtype = best_dtype(tokenizer.vocab_size)
+    eod = [tokenizer.eod] if append_eod else []
+    fmt = REPO_FORMATS[repo_format]
+    return [np.array(encode_repository(tokenizer, tokens, fmt, repo) + eod, dtype=dtype) for repo in repos]
 
 
-@contextlib.contextmanager
-def _interrupts_held() -> Iterator[None]:
-    """Ctrl-C and SIGTERM wait for the end of the block: for steps that must not be cut in two."""
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, _INTERRUPTS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+def _encode_in_worker(items: list[str] | list[Repository]) -> list[np.ndarray]:
+    w = _worker
+    if w["repo_format"] is not None:
+        return _encode_repositories(w["tokenizer"], w["tokens"], w["repo_format"], items, w["append_eod"])
+    return _encode(w["tokenizer"], items, w["append_eod"])
 
 
-def _batches(texts: Iterable[str], size: int, max_chars: int) -> Iterator[list[str]]:
-    batch: list[str] = []
-    chars = 0
-    for text in texts:
-        batch.append(text)
-        chars += len(text)
-        if len(batch) == size or chars >= max_chars:
-            yield batch
-            batch, chars = [], 0
-    if batch:
-        yield batch
-
-
-def _death_cause(exit_codes: list[int | None]) -> str:
-    """How a pool's worker died, from its workers' exit codes (-N: killed by signal N)."""
-    # The pool terminates (SIGTERM) the survivors itself, so any other code is the first death.
-    died = [c for c in exit_codes if c not in (None, 0, -signal.SIGTERM)]
-    code = died[0] if died else (-signal.SIGTERM if -signal.SIGTERM in exit_codes else None)
-    if code is None:
-        return "it exited unexpectedly"
-    if code > 0:
-        return f"exit code {code}"
-    try:
-        return f"killed by signal {-code} ({signal.Signals(-code).name})"
-    except ValueError:
-        return f"killed by signal {-code}"
-
-
-class _TokenizerPool:
-    """Worker processes that tokenize batches; results come back in submission order.
-
-    concurrent.futures rather than multiprocessing.Pool: when a worker dies (the OOM killer's
-    SIGKILL) the pool breaks and every pending result raises at once; Pool silently replaces the
-    worker and waits forever for the lost batch. At most ``2 * workers`` batches are in flight,
-    so a huge corpus is not read ahead into memory.
-    """
-
-    def __init__(self, workers: int, spec: TokenizerSpec, append_eod: bool, max_chars: int):
-        self._executor = ProcessPoolExecutor(workers, initializer=_init_worker,
-                                             initargs=(spec, append_eod))
-        # The first task starts every worker. Ctrl-C or SIGTERM during a fork() would be raised in
-        # an at-fork hook, where Python prints and drops it (the run went on): hold them back.
-        with _interrupts_held():
-            self._executor.submit(int)
-        self._window = 2 * workers
-        self._max_chars = max_chars
-
-    def imap(self, batches: Iterable[list[str]]) -> Iterator[list[np.ndarray]]:
-        pending: collections.deque[Future] = collections.deque()
-        try:
-            for batch in batches:
-                pending.append(self._executor.submit(_encode_in_worker, batch))
-                if len(pending) > self._window:
-                    yield pending.popleft().result()
-            while pending:
-                yield pending.popleft().result()
-        except BrokenProcessPool:
-            processes = self._processes()
-            self._executor.shutdown(wait=True, cancel_futures=True)  # it has stopped the others
-            cause = _death_cause([process.exitcode for process in processes])
-            limit = f" (now {self._max_chars})" if self._max_chars else " (now 0: no limit)"
-            raise WorkerDiedError(
-                f"a tokenizer worker died ({cause}: out of memory? lower --max-document-chars"
-                f"{limit} or --workers); nothing was written"
-            ) from None
-
-    def close(self, ok: bool) -> None:
-        """Let idle workers exit after a complete run; otherwise stop them at once."""
-        if ok:
-            self._executor.shutdown(wait=True)
-        else:
-            self._stop()
-
-    def _stop(self) -> None:
-        """Kill the workers (a batch may take seconds) and wait for them."""
-        for process in self._processes():
-            process.kill()
-        self._executor.shutdown(wait=True, cancel_futures=True)
-
-    def _processes(self) -> list[Any]:
-        # The executor's {pid: Process}; no public accessor before Python 3.14 (terminate_workers).
-        return list((getattr(self._executor, "_processes", None) or {}).values())
+def _inspect_in_worker(texts: list[str]) -> list[tuple]:
+    return _worker["file_filter"].inspect(texts)
 
 
 def output_prefix_for(output_prefix: str, json_key: str) -> str:
@@ -249,6 +157,71 @@ def _is_disk_full(e: OSError) -> bool:
     return e.filename is None and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
+def check_options(json_keys: Sequence[str], language_tag: bool, documents: DocumentSpec, filters: FilterSpec,
+                  decontaminate: bool | None = None) -> None:
+    """ValueError naming the flag for settings that do not go together (or a bad value). ``decontaminate``:
+    whether benchmarks will be searched for (default: whether ``filters`` holds any yet)."""
+    documents.validate()
+    filters.validate()
+    decontaminate = bool(filters.benchmarks) if decontaminate is None else decontaminate
+    features = [flag for flag, on in (("--document-level repo", documents.level == "repo"),
+                                      (f"--dedup {filters.dedup}", filters.dedup),
+                                      ("--decontaminate", decontaminate)) if on]
+    if features and len(json_keys) > 1:
+        raise ValueError(f"--json-keys {' '.join(json_keys)}: {features[0]} works on one field (the files' "
+                         f"content); give one key")
+    if language_tag and documents.level == "repo":
+        raise ValueError("--language-tag is for --document-level file (a repository document's headers name "
+                         "each file's path; --repo-format codegeex4 also its language)")
+
+
+def _progress(desc: str, unit: str, total: int | None, progress: bool) -> tqdm:
+    return tqdm(desc=desc, unit=unit, unit_scale=unit == "B", total=total, disable=not progress)
+
+
+def _tracked(items: Iterable[Any], stats: CorpusStats, bar: tqdm) -> Iterator[Any]:
+    """``items``, moving ``bar`` (bytes) to how far the reader has got."""
+    for item in items:
+        if bar.total is None and stats.bytes_total:
+            bar.total = stats.bytes_total
+        bar.update(stats.bytes_read - bar.n)
+        yield item
+
+
+def _documents(sources: Iterator[SourceFile], stats: CorpusStats, key: str, documents: DocumentSpec,
+               language_tag: bool, progress: bool, summary: PreprocessSummary) -> tuple[Iterator[Any], Any, tqdm]:
+    """(the documents to tokenize, their length in characters, the progress bar of tokenizing them): texts of
+    files, or repositories, which are all read (and grouped) first, with a bar of their own."""
+    if documents.level == "file":
+        bar = _progress(f"tokenizing {key}", "B", None, progress)
+        texts = (f.language_header + f.content if language_tag else f.content for f in _tracked(sources, stats, bar))
+        return texts, len, bar
+    with _progress(f"reading {key}", "B", None, progress) as reading:
+        repos = group_repositories(_tracked(sources, stats, reading), documents.file_order, documents.seed)
+    summary.files += sum(len(r.files) for r in repos)
+    return iter(repos), lambda r: r.chars, _progress(f"tokenizing {key}", "repo", len(repos), progress)
+
+
+def _write(builder: IndexedDatasetBuilder, encoded: Iterable[list[np.ndarray]], bar: tqdm,
+           summary: PreprocessSummary, log_interval: int, start: float, repositories: bool) -> None:
+    """Append every encoded document to ``builder``, counting into ``summary`` and showing the speed on ``bar``
+    (which counts repositories; a file-level bar moves with the bytes read)."""
+    with bar:
+        last_log = summary.documents
+        for batch in encoded:
+            for ids in batch:
+                builder.add_document(ids)
+                summary.tokens += len(ids)
+            summary.documents += len(batch)
+            if repositories:
+                bar.update(len(batch))
+            if summary.documents - last_log >= log_interval:
+                last_log = summary.documents
+                elapsed = time.perf_counter() - start
+                bar.set_postfix_str(f"{summary.documents:,} docs, {summary.documents / elapsed:,.0f} docs/s, "
+                                    f"{summary.tokens / elapsed:,.0f} tokens/s")
+
+
 def preprocess(
     inputs: Sequence[str],
     output_prefix: str,
@@ -263,61 +236,74 @@ def preprocess(
     docs_per_batch: int = 16,
     progress: bool = True,
     max_document_chars: int = DEFAULT_MAX_DOCUMENT_CHARS,
+    documents: DocumentSpec = DocumentSpec(),
+    filters: FilterSpec = FilterSpec(),
 ) -> PreprocessSummary:
     """Tokenize ``inputs`` once per JSON key into ``output_prefix_for(output_prefix, key)``.
 
-    Documents longer than ``max_document_chars`` (0: no limit) are skipped and counted.
+    Documents longer than ``max_document_chars`` (0: no limit) are skipped and counted. ``documents`` says what
+    a document is (a file, or a repository's files), ``filters`` which files are dropped first (module doc).
     """
     if workers < 1 or docs_per_batch < 1 or log_interval < 1:
         raise ValueError("--workers, --log-interval and the batch size must be >= 1")
     if max_document_chars < 0:
         raise ValueError(f"--max-document-chars {max_document_chars}: must be >= 0 (0: no limit)")
+    check_options(json_keys, language_tag, documents, filters)
     files = resolve_inputs(inputs)
     tok = tokenizer.build()
+    repo = documents.level == "repo"
+    vocab_size = tok.vocab_size
+    tokens = code_tokens(tok) if repo else None  # appended to a tokenizer that lacks them
+    tokenizer_text = tokenizer_json(tok) if tok.vocab_size != vocab_size else None
     dtype = best_dtype(tok.vocab_size)
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
     start = time.perf_counter()
-    pool = (
-        _TokenizerPool(workers, tokenizer, append_eod, max_document_chars) if workers > 1 else None
-    )
-    skipped_bad = skipped_oversized = documents = tokens = 0
-    prefixes = []
+    file_filter = FileFilter(filters) if filters.active else None
+    limit = f"(now {max_document_chars})" if max_document_chars else "(now 0: no limit)"
+    pool = OrderedPool(workers, _init_worker, (tokenizer, append_eod, documents.repo_format if repo else None,
+                                               tokens, file_filter),
+                       died_hint=f"lower --max-document-chars {limit} or --workers") if workers > 1 else None
+    summary = PreprocessSummary(0, 0, 0.0, [], max_document_chars=max_document_chars)
     ok = False
     try:
         # Each builder writes .tmp files; leaving the stack finalizes them all (success) or
         # deletes them all (any exception), so the outputs appear together or not at all.
         with contextlib.ExitStack() as outputs:
+            reports = outputs.enter_context(Reports())  # renamed last, after every dataset
             for key in json_keys:
                 stats = CorpusStats()
-                texts = iter_documents(files, (key,), tuple(extensions), language_tag,
-                                       skip_bad_lines, stats, max_document_chars)
-                batches = _batches(texts, docs_per_batch, _BATCH_CHARS)
-                encoded = (
-                    pool.imap(batches)
-                    if pool
-                    else (_encode(tok, b, append_eod) for b in batches)
-                )
+                sources = iter_source_files(files, key, documents.fields, tuple(extensions), skip_bad_lines,
+                                            stats, max_document_chars, need_location=repo)
+                if file_filter:
+                    inspect = ((lambda texts: pool.imap(_inspect_in_worker, texts)) if pool
+                               else (lambda texts: map(file_filter.inspect, texts)))
+                    sources = file_filter.filtered(sources, inspect, docs_per_batch)
+                items, chars, bar = _documents(sources, stats, key, documents, language_tag, progress, summary)
+                encode = ((lambda b: _encode_repositories(tok, tokens, documents.repo_format, b, append_eod)) if repo
+                          else (lambda b: _encode(tok, b, append_eod)))
+                grouped = batches(items, docs_per_batch, BATCH_CHARS, chars)
+                encoded = pool.imap(_encode_in_worker, grouped) if pool else map(encode, grouped)
                 prefix = output_prefix_for(output_prefix, key)
                 with _interrupts_held():  # its .tmp file is created and registered for removal
                     builder = outputs.enter_context(IndexedDatasetBuilder(prefix, dtype))
-                bar = tqdm(desc=f"tokenizing {key}", unit="doc", disable=not progress)
-                with bar:
-                    last_log = documents
-                    for batch in encoded:
-                        for ids in batch:
-                            builder.add_document(ids)
-                            tokens += len(ids)
-                        documents += len(batch)
-                        bar.update(len(batch))
-                        if documents - last_log >= log_interval:
-                            last_log = documents
-                            elapsed = time.perf_counter() - start
-                            bar.set_postfix_str(
-                                f"{documents / elapsed:,.0f} docs/s, {tokens / elapsed:,.0f} tokens/s"
-                            )
-                prefixes.append(prefix)
-                skipped_bad += stats.skipped
-                skipped_oversized += stats.oversized
+                written = summary.documents
+                _write(builder, encoded, bar, summary, log_interval, start, repositories=repo)
+                if summary.documents == written:
+                    raise CorpusError(f"no documents left in {list(inputs)} (field {key!r}): all {stats.documents} "
+                                      f"were removed by --dedup / --decontaminate")
+                if not repo:
+                    summary.files += summary.documents - written
+                summary.output_prefixes.append(prefix)
+                summary.skipped_bad += stats.skipped
+                summary.skipped_oversized += stats.oversized
+            if file_filter:
+                summary.duplicates, summary.contaminated = file_filter.duplicates, file_filter.contaminated
+                for name, report in file_filter.reports().items():
+                    reports.add(f"{output_prefix}_{name}.json", json.dumps(report, indent=1) + "\n")
+            if tokenizer_text is not None:
+                summary.tokenizer_file = f"{output_prefix}_tokenizer.json"
+                reports.add(summary.tokenizer_file, tokenizer_text)
+            summary.reports = [p for p in reports.paths if not p.endswith("_tokenizer.json")]
             with _interrupts_held():  # every .tmp is renamed into place, or none is
                 outputs.close()
         ok = True
@@ -329,5 +315,5 @@ def preprocess(
     finally:
         if pool:
             pool.close(ok)
-    return PreprocessSummary(documents, tokens, time.perf_counter() - start, prefixes,
-                             skipped_bad, skipped_oversized, max_document_chars)
+    summary.seconds = time.perf_counter() - start
+    return summary
