@@ -12,6 +12,7 @@ from codegeex_train.data.default_corpus import default_corpus_files
 from codegeex_train.data.indexed_dataset import MMapIndexedDataset
 from codegeex_train.data.tokenizer import build_tokenizer
 from codegeex_train.data.code_tokens import code_tokens
+from codegeex_train.evaluation import read_problems
 from codegeex_train.testing import load_tool, metrics_records, run_distributed, run_pretrain, tiny_pretrain_args
 
 
@@ -37,13 +38,23 @@ def test_repository_documents_train_with_fim_and_masking_and_infill(tmp_path, ca
     data = MMapIndexedDataset(f"{prefix}_text_document")
     assert len(data) == 4 and all(int(data[i][0]) == tokens.repo_name for i in range(4))
 
+    # two single-line infilling problems, the benchmark's format, for the during-training callback
+    problems = tmp_path / "HumanEval-SingleLineInfilling.jsonl"
+    with problems.open("w") as f:
+        for task, p in list(read_problems().items())[:2]:
+            lines = p["canonical_solution"].splitlines(keepends=True)
+            f.write(json.dumps({"task_id": f"SingleLineInfilling/{task}/L0", "entry_point": p["entry_point"],
+                                "prompt": p["prompt"], "canonical_solution": lines[0], "suffix": "".join(lines[1:]),
+                                "test": p["test"]}) + "\n")
     save = tmp_path / "run"
     argv = tiny_pretrain_args(f"{prefix}_text_document", str(save), 3, "--split", "1", "--tokenizer-type", "HFTokenizer", "--tokenizer-model", str(tokenizer_file),
                               "--whitespace-encoding", "--fim-rate", "0.9", "--fim-spm-rate", "0.9",
                               "--fim-split-sample", "<file_sep>", "--reset-position-ids", "--reset-attention-mask",
-                              "--eod-mask-loss")
+                              "--eod-mask-loss", "--max-position-embeddings", "512", "--eval-infilling-interval", "3", "--eval-infilling-problems",
+                              str(problems), "--eval-infilling-tasks", "2", "--eval-infilling-max-new-tokens", "4")
     run_distributed(run_pretrain, world_size=2, deadline_s=300, argv=argv)  # DP 2
     assert sorted(metrics_records(save)) == [1, 2, 3]
+    assert metrics_records(save, "infilling")[3]["infilling_single_line_pass@1"] == 0.0  # 3 steps learn no code
     _, meta = read_checkpoint_meta(save)
     assert checkpoint_fim(meta)["order"] == "spm" and meta["tokenizer"]["tokenizer_model"] == str(tokenizer_file)
 
