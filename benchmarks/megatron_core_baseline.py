@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from codegeex_train.config.arguments import OptimConfig
-from codegeex_train.config.model import ModelConfig
+from codegeex_train.config.model_config import ModelConfig
 from codegeex_train.training.optim import build_optimizer
 
 INSTALL = "pip install megatron-core==0.16.1"  # the version this baseline was written and checked against

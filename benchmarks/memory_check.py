@@ -67,10 +67,10 @@ def rank_worker(out: str, argv: list[str]) -> None:
     record: dict = {"rank": int(os.environ.get("RANK", "0"))}
     real_check, real_step = fit.check_run_memory, trainer.train_step
 
-    def check_run_memory(args, layout, ds_config, num_samples, host):
-        real_check(args, layout, ds_config, num_samples, host)
-        w = fit.Workload.from_run(args, layout, ds_config, host.device)
-        need = fit.rank_need(w, layout.dims.coords(host.rank)[2])
+    def check_run_memory(model, plan, train, data, ds_config, num_samples, host):
+        real_check(model, plan, train, data, ds_config, num_samples, host)
+        w = fit.Workload.from_run(model, plan, ds_config, host.device)
+        need = fit.rank_need(w, plan.dims.coords(host.rank)[2])
         record.update(rss_at_check=_status("VmRSS"), estimate=need.host, parts=need.parts)
 
     def train_step(*args, **kwargs):

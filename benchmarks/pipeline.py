@@ -42,12 +42,17 @@ import argparse
 import contextlib
 import json
 import os
+import sys
 import tempfile
 import time
 from statistics import median
 
 import torch
 import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # run_distributed is tests/harness.py's, imported from the checkout's root
+    sys.path.insert(0, ROOT)
 
 BUBBLE_CONFIGS = {2: (2, 4, 8), 4: (4, 8)}  # pp size -> micro-batch counts, one spawn per pp size
 QUICK_BUBBLE_CONFIGS = {2: (2, 4)}
@@ -273,7 +278,7 @@ def main(argv=None):
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(root, ".cache", "torch_extensions"))
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ["OMP_NUM_THREADS"] = "1"
-    from codegeex_train.testing import run_distributed
+    from tests.harness import run_distributed
 
     if "bubble" in sections:
         bubble_section(run_distributed, QUICK_BUBBLE_CONFIGS if a.quick else BUBBLE_CONFIGS, a.fwd_ms, a.steps)

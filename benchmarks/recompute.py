@@ -41,7 +41,7 @@ linear's saved input anyway).
     python benchmarks/recompute.py --num-layers 1 --hidden-size 64 --num-attention-heads 4 --seq-length 128 \\
         --micro-batch-size 2 --warmup-iters 0 --iters 1 --json out.json     # ~15 s (tests/benchmarks/)
 
-Ranks are spawned here (codegeex_train.testing.run_distributed), one thread each.
+Ranks are spawned here (tests.harness.run_distributed), one thread each.
 """
 
 from __future__ import annotations
@@ -63,9 +63,13 @@ import torch.distributed as dist
 
 from codegeex_train.config.arguments import Args, DataConfig, LoggingConfig, OptimConfig, ParallelConfig, TrainConfig
 from codegeex_train.config.deepspeed import build_deepspeed_config
-from codegeex_train.config.model import ModelConfig
+from codegeex_train.config.model_config import ModelConfig
+from codegeex_train.config.plan import ParallelPlan
 from codegeex_train.config.recompute import MODULES, Recompute
-from codegeex_train.distributed.layout import Layout
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # run_distributed is tests/harness.py's, imported from the checkout's root
+    sys.path.insert(0, ROOT)
 
 TP = 2
 RECOMPUTES = (("none", Recompute()),
@@ -146,7 +150,9 @@ class Variant:
         self.params = sum(p.numel() for p in model.parameters())
         zero = {"zero_optimization": {"stage": 2, "contiguous_gradients": True, "overlap_comm": False,
                                       "reduce_bucket_size": self.params, "allgather_bucket_size": self.params}}
-        config = build_deepspeed_config(args, Layout(topology.dims, spec.micro_batch_size, 1), zero)
+        plan = ParallelPlan(topology.dims, spec.micro_batch_size, 1, sequence_parallel=sp, recompute=recompute,
+                            seq_length=spec.seq_length, hidden_size=spec.model.hidden_size)
+        config = build_deepspeed_config(args, plan, zero)
         self.engine = build_engine(model, optim, train.train_iters, config, topology)
         self.times: list[list[float]] = []
         self.losses: list[float] = []
@@ -298,7 +304,7 @@ def main(argv: list[str] | None = None) -> dict:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.dirname(os.path.dirname(
         os.path.abspath(__file__))), ".cache", "torch_extensions"))
-    from codegeex_train.testing import run_distributed
+    from tests.harness import run_distributed
 
     cfg = ModelConfig(num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
                       max_position_embeddings=a.seq_length, hidden_dropout=a.dropout, attention_dropout=a.dropout,

@@ -28,12 +28,16 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from codegeex_train.accounting import Workload, expected_memory_report
+from codegeex_train.accounting import CommCounter, Workload, comm_bytes_per_step, expected_memory_report
 from codegeex_train.accounting.fit import Host, check_run_memory
+from codegeex_train.accounting.memory import StepMemory
+from codegeex_train.checkpoint.files import tokenizer_settings
 from codegeex_train.checkpoint.resume import Resume, preflight_load, restore
 from codegeex_train.checkpoint.train_state import TrainState
-from codegeex_train.config.arguments import Args, ConfigError, parse_args, recompute_from_args, validate
+from codegeex_train.config.arguments import Args, ConfigError, ParallelConfig, parse_args, validate
 from codegeex_train.config.deepspeed import build_deepspeed_config, load_user_config
+from codegeex_train.config.model_config import ModelConfig
+from codegeex_train.config.plan import ParallelPlan
 from codegeex_train.data.token_range import TokenIdError
 from codegeex_train.data.tokenizer import Tokenizer, load_tokenizer
 from codegeex_train.distributed.cluster import (
@@ -43,9 +47,8 @@ from codegeex_train.distributed.cluster import (
     join_process_group,
     rank_env_from_slurm,
 )
-from codegeex_train.distributed.layout import Layout
 from codegeex_train.distributed.malloc import fix_malloc_thresholds
-from codegeex_train.distributed.topology import Topology
+from codegeex_train.distributed.topology import ParallelDims, Topology
 from codegeex_train.data.fim import fim_from_flags
 from codegeex_train.evaluation.during_training import (
     humaneval_callback,
@@ -61,42 +64,44 @@ from codegeex_train.model.flops import model_flops_per_iteration
 from codegeex_train.model.summary import model_summary
 from codegeex_train.pipeline import mark_shared_embedding_copy
 from codegeex_train.tensor_parallel import model_parallel_seed
-from codegeex_train.training.data import DocumentMasking, build_datasets, loader, num_samples, preflight_data
+from codegeex_train.training.batches import DocumentMasking, build_datasets, loader, num_samples, preflight_data
 from codegeex_train.training.engine import build_engine
 from codegeex_train.training.exit_conditions import ExitConditions
 from codegeex_train.training.fault_injection import step_context_from_environment
-from codegeex_train.training.trainer import Run, train
+from codegeex_train.training.trainer import Measurement, Run, train
 
 
 @dataclass
 class Prepared:
     """What ``prepare`` checked and derived before any process group exists."""
 
-    args: Args
-    layout: Layout
+    args: Args  # as parsed
+    model: ModelConfig  # args.model with the tokenizer's vocabulary
+    plan: ParallelPlan
     ds_config: dict
     resume: Resume | None  # None: a fresh start
     tokenizer: Tokenizer
 
 
 def prepare(argv: list[str] | None) -> Prepared:
-    """Parse and check everything that can be checked without a process group."""
+    """Parse and check everything that can be checked without a process group. The vocabulary is resolved first
+    (the tokenizer, with FIM's sentinels when --fim-rate asks for them), so that ``validate`` runs once, on the whole
+    run, and the parsed ``args`` are never changed."""
     args = parse_args(argv)
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    layout = validate(args, world_size)
     try:
         tokenizer = load_tokenizer(args.data)
         fim_from_flags(args.data, tokenizer)  # --fim-split-sample must be one token of this tokenizer
-        args.model.vocab_size = tokenizer.vocab_size
-        args.model.validate(layout.dims.tp_size)
-    except ValueError as e:  # TokenizerError, ModelConfigError
+    except ValueError as e:  # TokenizerError
         raise ConfigError(str(e)) from None
-    preflight_data(args.data, args.model.padded_vocab_size)
-    ds_config = build_deepspeed_config(args, layout, load_user_config(args.train.deepspeed_config))
+    model = args.model.with_vocab(tokenizer.vocab_size)
+    plan = validate(args, world_size, model)
+    preflight_data(args.data, model.padded_vocab_size)
+    ds_config = build_deepspeed_config(args, plan, load_user_config(args.train.deepspeed_config))
     if not args.train.skip_memory_check:  # what cannot fit is refused before anything is allocated
-        check_run_memory(args, layout, ds_config, num_samples(args.train, layout),
+        check_run_memory(model, plan, args.train, args.data, ds_config, num_samples(args.train, plan),
                          Host.from_env(world_size, "cuda" if uses_cuda() else "cpu"))
-    resume = preflight_load(args.train, args.model, layout.dims, layout.num_chunks, stage_layers=layout.stage_layers)
+    resume = preflight_load(args.train, model, plan)
     if args.train.eval_humaneval_interval:  # a machine that cannot isolate samples stops the run now
         try:
             training_sandbox(args.train.unsafe_no_sandbox)
@@ -111,7 +116,7 @@ def prepare(argv: list[str] | None) -> Prepared:
                                args.train.eval_infilling_tasks)
         except (SandboxError, ValueError, RuntimeError) as e:  # + ProblemsError
             raise ConfigError(f"--eval-infilling-interval: {e}") from None
-    return Prepared(args, layout, ds_config, resume, tokenizer)
+    return Prepared(args, model, plan, ds_config, resume, tokenizer)
 
 
 def skip_inference_comm_op() -> None:
@@ -130,20 +135,20 @@ def uses_cuda() -> bool:
     return torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
 
 
-def init_distributed(args: Args, layout: Layout) -> tuple[Topology, torch.device]:
+def init_distributed(parallel: ParallelConfig, dims: ParallelDims) -> tuple[Topology, torch.device]:
     """Join (or create) the default process group, every wait bounded by --distributed-timeout-minutes; then
-    build the topology's groups."""
+    build the topology's groups (the plan's ``dims``)."""
     import deepspeed
 
     use_cuda = uses_cuda()
-    backend = args.parallel.distributed_backend
+    backend = parallel.distributed_backend
     if backend == "auto":
         backend = "nccl" if use_cuda else "gloo"
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    timeout = timedelta(minutes=args.parallel.distributed_timeout_minutes)
+    timeout = timedelta(minutes=parallel.distributed_timeout_minutes)
     if not dist.is_initialized():
         os.environ.setdefault("RANK", "0")  # a plain `python -m codegeex_train.pretrain` is a world of one
         os.environ.setdefault("WORLD_SIZE", "1")
@@ -153,7 +158,7 @@ def init_distributed(args: Args, layout: Layout) -> tuple[Topology, torch.device
         join_process_group(backend, timeout, device)
     skip_inference_comm_op()
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)
-    return Topology(layout.dims, timeout=timeout), device
+    return Topology(dims, timeout=timeout), device
 
 
 def report_cluster(topology: Topology) -> dict:
@@ -175,10 +180,10 @@ def main(argv: list[str] | None = None) -> TrainState:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
-    args, layout, ds_config = prepared.args, prepared.layout, prepared.ds_config
+    args, model_config, plan, ds_config = prepared.args, prepared.model, prepared.plan, prepared.ds_config
     owns_process_group = not dist.is_initialized()
     try:
-        topology, device = init_distributed(args, layout)
+        topology, device = init_distributed(args.parallel, plan.dims)
     except ClusterError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
@@ -187,43 +192,39 @@ def main(argv: list[str] | None = None) -> TrainState:
     # Same default stream on every TP rank (replicated dropout), a per-TP-rank stream for sharded dropout;
     # stages differ (Megatron's +100 per stage) so they do not repeat each other's masks.
     tracker = model_parallel_seed(t.seed + 100 * topology.pp_rank, topology.tp_rank, device)
-    model = CodeGeeXModel(args.model, topology.tp_group, tracker, seed=t.seed, pre_process=topology.is_first_stage,
-                          post_process=topology.is_last_stage, chunk_layers=layout.rank_chunks(topology.pp_rank),
-                          sequence_parallel=args.parallel.sequence_parallel, recompute=recompute_from_args(args),
-                          device=device)
+    model = CodeGeeXModel.for_rank(model_config, plan, topology, tracker, seed=t.seed, device=device)
     mark_shared_embedding_copy(model, topology)
-    workload = Workload.from_run(args, layout, ds_config, device.type)
+    workload = Workload.from_run(model_config, plan, ds_config, device.type)
     if topology.rank == 0:
-        print(model_summary(model, args.model, topology.tp_size, topology.pp_size), flush=True)
-        if layout.num_chunks > 1:
-            print(f"interleaved 1F1B: {layout.num_chunks} model chunks per pipeline rank; " + "; ".join(
+        print(model_summary(model, model_config, topology.tp_size, topology.pp_size), flush=True)
+        if plan.num_chunks > 1:
+            print(f"interleaved 1F1B: {plan.num_chunks} model chunks per pipeline rank; " + "; ".join(
                 f"rank {r}: layers " + " + ".join(f"{c[0]}-{c[-1]}" for c in chunks)
-                for r, chunks in enumerate(layout.chunk_layers)), flush=True)
+                for r, chunks in enumerate(plan.chunk_layers)), flush=True)
         print(expected_memory_report(workload), flush=True)
-    engine, state = restore(prepared.resume, model, topology, tracker, layout.stage_layers,
+    engine, state = restore(prepared.resume, model, topology, tracker, plan,
                             lambda m: build_engine(m, args.optim, t.train_iters, ds_config, topology))
 
     if state.iteration >= t.train_iters:
         print(f"--load {prepared.resume.load_dir} is at iteration {state.iteration} of --train-iters "
               f"{t.train_iters}: nothing to train; raise --train-iters to continue", flush=True)
         return state  # (the process group goes with the process)
-    train_ds, valid_ds, test_ds = build_datasets(args.data, t, layout, topology.rank, args.model.padded_vocab_size,
+    train_ds, valid_ds, test_ds = build_datasets(args.data, t, plan, topology.rank, model_config.padded_vocab_size,
                                                 tokenizer=prepared.tokenizer)
-    sizes = num_samples(t, layout)
-    train_loader = loader(train_ds, state.consumed_train_samples, layout, topology.dp_rank, args.data.num_workers,
+    sizes = num_samples(t, plan)
+    train_loader = loader(train_ds, state.consumed_train_samples, plan, topology.dp_rank, args.data.num_workers,
                           sizes[0])
-    valid_loader = valid_ds and loader(valid_ds, 0, layout, topology.dp_rank, 0, sizes[1])
-    test_loader = test_ds and loader(test_ds, 0, layout, topology.dp_rank, 0, sizes[2])
+    valid_loader = valid_ds and loader(valid_ds, 0, plan, topology.dp_rank, 0, sizes[1])
+    test_loader = test_ds and loader(test_ds, 0, plan, topology.dp_rank, 0, sizes[2])
 
-    logging_rank = topology.is_last_stage and topology.tp_rank == 0 and topology.dp_rank == 0
-    run_config = {name: dataclasses.asdict(getattr(args, name)) for name in ("model", "parallel", "train", "optim",
-                                                                              "data")}
+    logging_rank = topology.is_last_stage and topology.tp_rank == topology.cp_rank == topology.dp_rank == 0
+    run_config = {name: dataclasses.asdict(getattr(args, name)) for name in ("parallel", "train", "optim", "data")}
     logger = MetricsLogger(args.logging, enabled=logging_rank, save_dir=t.save,
-                           run_config={**run_config, "cluster": cluster}, train_iters=t.train_iters,
-                           start_iteration=state.iteration, resume_wandb_id=state.wandb_run_id)
+                           run_config={"model": dataclasses.asdict(model_config), **run_config, "cluster": cluster},
+                           train_iters=t.train_iters, start_iteration=state.iteration,
+                           resume_wandb_id=state.wandb_run_id)
     logger.log_metadata({"iteration": state.iteration, "cluster": cluster})
-    flops = model_flops_per_iteration(args.model, layout.global_batch_size, t.seq_length,
-                                      recompute_from_args(args).is_full)
+    flops = model_flops_per_iteration(model_config, plan.global_batch_size, plan.seq_length, plan.recompute.is_full)
     peak = args.logging.peak_tflops * 1e12 if args.logging.peak_tflops else None
     exit_conditions = ExitConditions(signal_handler=t.exit_signal_handler, duration_mins=t.exit_duration_in_mins,
                                      start_time=start_time, device=device)
@@ -236,8 +237,13 @@ def main(argv: list[str] | None = None) -> TrainState:
                                    max_new_tokens=t.eval_infilling_max_new_tokens,
                                    fim_spm_rate=args.data.fim_spm_rate, execute=logger.enabled,
                                    unsafe_no_sandbox=t.unsafe_no_sandbox) if t.eval_infilling_interval else None
-    run = Run(args, layout, topology, engine, tracker, device, logger, flops, peak, exit_conditions=exit_conditions,
-              workload=workload, evaluate_humaneval=humaneval, evaluate_infilling=infilling,
+    # Accounting measures the loop from outside it: bytes by group, and at the run's second step memory by part.
+    measurement = Measurement(comm=CommCounter(topology.named_groups()),
+                              comm_theory=comm_bytes_per_step(workload, topology.pp_rank),
+                              memory=lambda: StepMemory(engine.module, workload, topology.pp_rank, device))
+    run = Run(plan, model_config, t, args.logging, topology, engine, tracker, device, logger, flops, peak,
+              tokenizer_settings=tokenizer_settings(args.data), exit_conditions=exit_conditions,
+              measurement=measurement, evaluate_humaneval=humaneval, evaluate_infilling=infilling,
               masking=DocumentMasking.from_config(args.data, prepared.tokenizer.eod),
               step_context=step_context_from_environment(engine.module))
     try:

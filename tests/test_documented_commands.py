@@ -432,7 +432,7 @@ def tool_parse_fn(relpath: str):
         return None
     if relpath not in _modules:
         if relpath.startswith("tools/"):
-            from codegeex_train.testing import load_tool
+            from tests.harness import load_tool
 
             _modules[relpath] = load_tool(Path(relpath).stem)
         else:

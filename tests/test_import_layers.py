@@ -1,5 +1,6 @@
-"""The declared import layers (.importlinter) hold on this tree, and lint-imports really catches the two ways they
-can break: an upward import (the training loop importing evaluation) and a cycle inside a package."""
+"""The declared import layers (.importlinter) hold on this tree, and lint-imports really catches the ways they can
+break: an upward import (the training loop importing evaluation), a cycle inside a package, and the training step
+importing accounting (which the layers alone would allow)."""
 
 import shutil
 import subprocess
@@ -29,7 +30,10 @@ def test_the_tree_keeps_its_layers():
                                                                           "import codegeex_train.evaluation"),
     ("checkpoint/files.py", "import codegeex_train.checkpoint.resume", "No cycles are allowed in "
                                                                       "codegeex_train.checkpoint"),
-], ids=["upward", "cycle"])
+    # accounting sits below training in the layers: only the forbidden contract keeps the step free of it
+    ("training/stage.py", "import codegeex_train.accounting.memory", "codegeex_train.training is not allowed to "
+                                                                     "import codegeex_train.accounting"),
+], ids=["upward", "cycle", "accounting-in-the-step"])
 def test_a_deliberate_violation_is_caught(tmp_path, module, line, broken):
     shutil.copytree(ROOT / "codegeex_train", tmp_path / "codegeex_train",
                     ignore=shutil.ignore_patterns("__pycache__", "assets"))

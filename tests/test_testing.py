@@ -1,4 +1,4 @@
-"""The test harness itself (codegeex_train.testing): what a rank returns comes back with every torch tensor turned
+"""The test harness itself (tests/harness.py): what a rank returns comes back with every torch tensor turned
 into a numpy array (a tensor sent as it is can vanish with its rank), and run_process_group kills a timed-out
 command's whole process group, not only the command."""
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from codegeex_train.testing import run_distributed, run_process_group
+from tests.harness import run_distributed, run_process_group
 
 Pair = namedtuple("Pair", "left right")
 
@@ -67,6 +67,7 @@ def _launcher_with_grandchild(pidfile):
     return ["bash", "-c", f"sleep infinity & echo $! > {pidfile}; wait"]
 
 
+@pytest.mark.slow
 def test_run_process_group_kills_the_grandchildren_on_timeout(tmp_path):
     # The problem: subprocess.run's timeout kills the launcher alone, and its ranks run on.
     control = tmp_path / "control.pid"

@@ -57,7 +57,7 @@ from codegeex_train.checkpoint.hf_gpt2 import config_from_hf_gpt2, full_to_hf_gp
 from codegeex_train.checkpoint.safe_load import file_kind, open_regular, safe_torch_load, verify_files
 from codegeex_train.checkpoint.sharding import split_model_parallel
 from codegeex_train.checkpoint.universal import to_universal
-from codegeex_train.config.model import ModelConfig
+from codegeex_train.config.model_config import ModelConfig
 from codegeex_train.pipeline.stages import (
     chunked_stage_layers,
     rank_chunk_layers,

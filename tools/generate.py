@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from codegeex_train.checkpoint.files import TOKENIZER_FIELDS, CheckpointError, checkpoint_tokenizer
 from codegeex_train.config.arguments import ConfigError, DataConfig, ParallelConfig
-from codegeex_train.config.model import ModelConfig
+from codegeex_train.config.model_config import ModelConfig
 from codegeex_train.data.code_tokens import FIM_ORDERS
 from codegeex_train.data.tokenizer import TokenizerError, load_tokenizer
 from codegeex_train.distributed.cluster import ClusterError, join_process_group, rank_env_from_slurm

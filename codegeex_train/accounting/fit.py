@@ -34,12 +34,12 @@ from dataclasses import dataclass, replace
 from codegeex_train.accounting import available
 from codegeex_train.accounting.planner import Cluster
 from codegeex_train.accounting.theory import Workload, memory_per_rank
-from codegeex_train.config.arguments import ConfigError
-from codegeex_train.config.model import ModelConfigError
+from codegeex_train.config.arguments import ConfigError, DataConfig, TrainConfig
+from codegeex_train.config.model_config import ModelConfig, ModelConfigError
+from codegeex_train.config.plan import ParallelPlan
 from codegeex_train.config.recompute import Recompute
 from codegeex_train.data.gpt_dataset import parse_data_prefix, split_document_ranges
 from codegeex_train.data.indexed_dataset import MMapIndexedDataset
-from codegeex_train.distributed.layout import Layout
 from codegeex_train.distributed.malloc import THRESHOLD_BYTES
 from codegeex_train.distributed.topology import ParallelConfigError, ParallelDims
 
@@ -65,7 +65,7 @@ def rank_need(w: Workload, pp_rank: int, offload_optimizer: bool = False) -> Ran
     p = memory_per_rank(w, pp_rank)
     if w.device == "cpu":
         r = w.tp_size if w.sp else 1
-        hidden_tensor = w.layout.micro_batch_size * w.seq_length * w.model.hidden_size * w.dtype_bytes // r
+        hidden_tensor = w.plan.micro_batch_size * w.seq_length * w.model.hidden_size * w.dtype_bytes // r
         fragmentation = int(FRAGMENTATION * p.activations) if hidden_tensor < THRESHOLD_BYTES else 0
         parts = {"weights": p.weights, "gradients": p.gradients, "optimizer": p.optimizer,
                  "activations": p.activations + p.recompute, "framework": FRAMEWORK_BYTES,
@@ -95,7 +95,7 @@ def _split_index_bytes(sizes, documents: tuple[int, int], seq_length: int, num_s
 
 def sample_index_bytes(data, seq_length: int, num_samples: tuple[int, int, int]) -> int:
     """Bytes the train/valid/test sample indices take while built (``data``: the DataConfig; ``num_samples``:
-    training.data.num_samples's three counts). Unreadable data counts 0: preflight_data names it."""
+    training.batches.num_samples's three counts). Unreadable data counts 0: preflight_data names it."""
     total = 0
     try:
         if data.data_path:
@@ -168,12 +168,12 @@ def shortfalls(w: Workload, host: Host, index_bytes: int, memory, offload: bool 
     needs: dict[int, RankNeed] = {}
 
     def need(rank: int) -> RankNeed:
-        pp_rank = w.layout.dims.coords(rank)[2]
+        pp_rank = w.plan.dims.coords(rank)[2]
         if pp_rank not in needs:
             needs[pp_rank] = rank_need(w, pp_rank, offload)
         return needs[pp_rank]
 
-    ranks = host.ranks(w.layout.dims.world_size)
+    ranks = host.ranks(w.plan.dims.world_size)
     index = index_bytes if 0 in ranks else 0  # rank 0 builds the indices; the others map its cache files
     mine = need(host.rank)
     parts = ", ".join(f"{k} {_gib(v)}" for k, v in mine.parts.items() if v)
@@ -197,31 +197,32 @@ def shortfalls(w: Workload, host: Host, index_bytes: int, memory, offload: bool 
 def _variant(w: Workload, tp: int, pp: int, micro: int, recompute: Recompute, sp: bool) -> Workload | None:
     """``w`` at another layout (same global batch; an even layer split when PP changes), or None if training
     would refuse it."""
-    layout = w.layout
+    plan = w.plan
     try:
-        dims = ParallelDims(layout.dims.world_size, tp, pp)
+        dims = ParallelDims(plan.dims.world_size, tp, pp)
         w.model.validate(tp)
     except (ParallelConfigError, ModelConfigError):
         return None
     per_step = micro * dims.dp_size
-    if layout.global_batch_size % per_step or (sp and tp > 1 and w.seq_length % tp):
+    if plan.global_batch_size % per_step or (sp and tp > 1 and w.seq_length % tp):
         return None
-    m = layout.global_batch_size // per_step
-    if pp == layout.dims.pp_size:
-        new = replace(layout, dims=dims, micro_batch_size=micro, num_microbatches=m)
+    m = plan.global_batch_size // per_step
+    if pp == plan.dims.pp_size:
+        new = replace(plan, dims=dims, micro_batch_size=micro, num_microbatches=m)
     elif w.model.num_layers % pp == 0 and pp <= w.model.num_layers:
         n = w.model.num_layers // pp
-        new = Layout(dims, micro, m, tuple(range(i * n, (i + 1) * n) for i in range(pp)))
+        new = replace(plan, dims=dims, micro_batch_size=micro, num_microbatches=m,
+                      stage_layers=tuple(range(i * n, (i + 1) * n) for i in range(pp)), num_chunks=1, chunk_layers=())
     else:
         return None
-    return replace(w, layout=new, recompute=recompute, sequence_parallel=sp and tp > 1)
+    return replace(w, plan=replace(new, recompute=recompute, sequence_parallel=sp and tp > 1))
 
 
 def _flags(w: Workload, v: Workload) -> str:
     changes = []
     for flag, a, b in (("--tensor-model-parallel-size", w.tp_size, v.tp_size),
                        ("--pipeline-model-parallel-size", w.pp_size, v.pp_size),
-                       ("--micro-batch-size", w.layout.micro_batch_size, v.layout.micro_batch_size)):
+                       ("--micro-batch-size", w.plan.micro_batch_size, v.plan.micro_batch_size)):
         if a != b:
             changes.append(f"{flag} {b}")
     if v.sp and not w.sp:
@@ -239,11 +240,11 @@ def suggestions(w: Workload, host: Host, index_bytes: int, memory, offload: bool
     """The mildest change of each kind (recompute, sequence parallelism, a smaller micro-batch, a larger TP, a larger
     PP) that makes ``w`` fit, as flags; else all of them at once, if that fits. Second: when nothing fits, what the
     most frugal layout would still need, in words."""
-    world, gbs = w.layout.dims.world_size, w.layout.global_batch_size
-    tp, pp, micro, rc, sp = w.tp_size, w.pp_size, w.layout.micro_batch_size, w.recompute, w.sp
+    world, gbs = w.plan.dims.world_size, w.plan.global_batch_size
+    tp, pp, micro, rc, sp = w.tp_size, w.pp_size, w.plan.micro_batch_size, w.recompute, w.sp
     tps = [t for t in _divisors(host.local_world_size) if t > tp]  # TP stays inside a host
     pps = [p for p in _divisors(world) if p > pp]
-    micros = [b for b in _divisors(gbs // w.layout.dims.dp_size) if b < micro][::-1]  # largest first
+    micros = [b for b in _divisors(gbs // w.plan.dims.dp_size) if b < micro][::-1]  # largest first
     recomputes = [] if rc.is_full else [r for r in (Recompute("selective"), Recompute.full()) if r != rc]
     kinds = ([(tp, pp, micro, r, sp) for r in recomputes], [(tp, pp, micro, rc, True)] if tp > 1 and not sp else [],
              [(tp, pp, b, rc, sp) for b in micros], [(t, pp, micro, rc, sp) for t in tps],
@@ -286,27 +287,28 @@ def check_memory(w: Workload, host: Host, index_bytes: int, ds_config: dict | No
     if not lacking:
         return
     s = lacking[0]
-    ranks = len(host.ranks(w.layout.dims.world_size))
+    ranks = len(host.ranks(w.plan.dims.world_size))
     shared_by = f", shared by {ranks} ranks" if s.what == "this host" and ranks > 1 else ""
     text = (f"not enough memory: this run needs about {_gib(s.need)} on {s.what} {s.detail} but "
             f"{_gib(s.have.bytes)} is available ({s.have.source}{shared_by})")
     if index_bytes and index_bytes * 2 > s.need:
         text += (f"; the sample index is for --train-iters {train_iters} x global batch "
-                 f"{w.layout.global_batch_size} = {num_samples} samples: lower --train-iters")
+                 f"{w.plan.global_batch_size} = {num_samples} samples: lower --train-iters")
     else:
         fixes, smallest = suggestions(w, host, index_bytes, memory, offload)
         if fixes:
             text += "; it fits with " + ", or ".join(fixes)
         else:
-            world = w.layout.dims.world_size
+            world = w.plan.dims.world_size
             text += (f"; no layout of {world} rank{'s' if world > 1 else ''} fits ({smallest or 'none is valid'}): "
                      f"use more devices or hosts, or a smaller model (--num-layers, --hidden-size)")
     raise ConfigError(text + "; --skip-memory-check starts it anyway")
 
 
-def check_run_memory(args, layout: Layout, ds_config: dict, num_samples: tuple[int, int, int], host: Host) -> None:
-    """The check on a parsed run (``Args``, its ``Layout`` and DeepSpeed config, training.data.num_samples's
-    counts): ConfigError when it cannot fit."""
-    w = Workload.from_run(args, layout, ds_config, host.device)
-    index = sample_index_bytes(args.data, args.train.seq_length, num_samples)
-    check_memory(w, host, index, ds_config, args.train.train_iters, num_samples[0])
+def check_run_memory(model: ModelConfig, plan: ParallelPlan, train: TrainConfig, data: DataConfig, ds_config: dict,
+                     num_samples: tuple[int, int, int], host: Host) -> None:
+    """The check on a resolved run (its model with the vocabulary, plan, --train-iters, data flags and DeepSpeed
+    config; training.batches.num_samples's counts): ConfigError when it cannot fit."""
+    w = Workload.from_run(model, plan, ds_config, host.device)
+    index = sample_index_bytes(data, plan.seq_length, num_samples)
+    check_memory(w, host, index, ds_config, train.train_iters, num_samples[0])

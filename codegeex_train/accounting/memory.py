@@ -9,17 +9,28 @@ distinct storage reachable from the model and its ZeRO optimizer is counted once
   buffers     every other tensor the ZeRO optimizer keeps, and ``.grad`` still alive (a bucket not yet reduced);
   activations what autograd saves for the backward of one micro-batch (a ``saved_tensors_hooks`` tally of
               distinct storages, parameters excluded; inside selective-recompute blocks too, through
-              ``tensor_parallel.recompute.OBSERVERS``), times the micro-batches 1F1B keeps in flight;
+              ``tensor_parallel.selective_recompute.OBSERVERS``), times the micro-batches 1F1B keeps in flight;
               interleaved 1F1B: of each model chunk's first forward (``ChunkActivations``), summed over the
               (micro-batch, chunk) pairs the schedule holds at its peak (``theory.activations_in_flight``).
-The parts are comparable one by one with ``theory.memory_per_rank``.
+The parts are comparable one by one with ``theory.memory_per_rank``. ``StepMemory`` is what the training loop is
+handed to measure one step with (it calls the probe's three points and knows nothing of accounting); it turns the
+figures into the metrics' ``split: memory`` record with the theory beside them.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
-from codegeex_train.tensor_parallel.recompute import OBSERVERS
+from codegeex_train.accounting.theory import (
+    Workload,
+    activations_in_flight,
+    memory_per_rank,
+    microbatches_in_flight,
+)
+from codegeex_train.metrics import memory_gb
+from codegeex_train.tensor_parallel.selective_recompute import OBSERVERS
 
 
 def _storage(t: torch.Tensor) -> tuple[int, int]:
@@ -57,7 +68,7 @@ class SavedActivations:
     def __enter__(self) -> "SavedActivations":
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._hooks.__enter__()
-        # Saved-tensor hooks do not nest: inside a selective-recompute block (tensor_parallel/recompute.py) that
+        # Saved-tensor hooks do not nest: inside a selective-recompute block (tensor_parallel/selective_recompute.py) that
         # block's hooks alone run; it hands every tensor it keeps to OBSERVERS (its recipe target is not kept).
         OBSERVERS.append(self._pack)
         return self
@@ -132,3 +143,45 @@ def measure_state_memory(engine) -> dict[str, int]:
     if partitioned:
         add("buffers", (t for value in vars(zero).values() for t in _tensors(value)))
     return parts
+
+
+class StepMemory:
+    """One training step's memory by part, for the trainer's probe points (``training.trainer.train_step``):
+    ``first_forward()`` wraps micro-batch 0's forward, ``schedule()`` the step's whole schedule, ``at_boundary(engine)``
+    runs after the last backward and before the optimizer step (the gradient partition full, the optimizer state
+    there from the 2nd step on). After the step ``record(iteration)`` is the metrics record: measured and
+    predicted bytes by part of this rank (``workload`` at ``pp_rank``), and peak memory."""
+
+    def __init__(self, module: torch.nn.Module, workload: Workload, pp_rank: int, device: torch.device):
+        self.workload, self.pp_rank, self.device = workload, pp_rank, device
+        # What autograd saves: micro-batch 0's forward; interleaved (v chunks), each chunk's first forward.
+        v = workload.num_chunks
+        self._saved = SavedActivations(module) if v == 1 else None
+        self._chunks = ChunkActivations(module) if v > 1 else None
+        self.measured: dict[str, int] = {}
+
+    def first_forward(self):
+        return self._saved
+
+    def schedule(self):
+        return self._chunks or nullcontext()
+
+    def at_boundary(self, engine) -> None:
+        w, i = self.workload, self.pp_rank
+        if self._chunks is None:
+            activations = self._saved.bytes * microbatches_in_flight(w, i)
+        else:  # the schedule's peak over the (micro-batch, chunk) pairs held, each chunk as measured
+            activations = activations_in_flight(self._chunks.per_chunk(w.num_chunks), w.pp_size, i,
+                                                w.plan.num_microbatches)
+        self.measured = {**measure_state_memory(engine), "activations": activations}
+
+    def record(self, iteration: int) -> dict:
+        """``split: memory``: this rank's bytes by part, measured and predicted, and peak memory."""
+        measured, w = self.measured, self.workload
+        record = {"iteration": iteration, "split": "memory", **{f"memory_{k}_bytes": v for k, v in measured.items()},
+                  "memory_total_bytes": sum(measured.values())}
+        theory = memory_per_rank(w, self.pp_rank).as_dict()
+        record.update({f"memory_{k}_bytes_theory": v for k, v in theory.items()})
+        # what the activations depend on: --sequence-parallel and --recompute-* (recompute: rebuilt in backward)
+        record.update(sequence_parallel=w.sp, recompute=w.recompute.describe())
+        return {**record, "memory_gb": memory_gb(self.device)}

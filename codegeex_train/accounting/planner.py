@@ -47,9 +47,9 @@ from codegeex_train.accounting.theory import (
     memory_per_rank,
     stage_parameters,
 )
-from codegeex_train.config.model import ModelConfig, ModelConfigError
+from codegeex_train.config.model_config import ModelConfig, ModelConfigError
+from codegeex_train.config.plan import ParallelPlan
 from codegeex_train.config.recompute import Recompute
-from codegeex_train.distributed.layout import Layout
 from codegeex_train.distributed.topology import ParallelDims
 from codegeex_train.model.flops import layer_forward_flops
 from codegeex_train.pipeline.stages import PipelineSplitError, stage_layer_counts
@@ -102,9 +102,7 @@ class Cluster:
 class Row:
     """One layout and its estimate. Bytes are per rank per optimizer step, the largest over stages."""
 
-    layout: Layout
-    sequence_parallel: bool
-    recompute: Recompute
+    plan: ParallelPlan  # the layout, with its sequence parallelism and recompute choice
     parameters: int  # per rank, on the largest stage
     memory_gb: float  # GiB per GPU, worst stage, overhead included
     memory_parts: dict[str, int]  # bytes, worst stage (theory's parts)
@@ -113,6 +111,14 @@ class Row:
     bubble_fraction: float
     time_parts: dict[str, float] = field(default_factory=dict)  # seconds: compute, imbalance, bubble, tp, ...
     rank: int = 0  # 1-based position among the layouts that fit (0: does not fit)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.plan.sp
+
+    @property
+    def recompute(self) -> Recompute:
+        return self.plan.recompute
 
     @property
     def checkpoint_activations(self) -> bool:
@@ -134,16 +140,16 @@ class Row:
     @property
     def num_chunks(self) -> int:
         """v, the model chunks per pipeline rank (1: plain 1F1B)."""
-        return self.layout.num_chunks
+        return self.plan.num_chunks
 
     @property
     def layers_per_virtual_stage(self) -> int | None:
         """``--num-layers-per-virtual-pipeline-stage``: None without interleaving."""
-        return len(self.layout.chunk_layers[0][0]) if self.num_chunks > 1 else None
+        return len(self.plan.chunk_layers[0][0]) if self.num_chunks > 1 else None
 
     @property
     def layer_counts(self) -> tuple[int, ...]:
-        return tuple(len(r) for r in self.layout.stage_layers)
+        return tuple(len(r) for r in self.plan.stage_layers)
 
     @property
     def split(self) -> str:
@@ -260,11 +266,11 @@ def estimate_layout(model: ModelConfig, cluster: Cluster, *, seq_length: int, gl
     if counts is None and num_chunks == 1:
         counts = _best_split(tuple(sorted(vars(model).items())), model.num_layers, pp)
     # interleaved: the Workload makes the chunks (and the stages' layers) as training does
-    layout = Layout(dims, micro_batch_size, m, _layer_ranges(counts) if counts else (), num_chunks)
-    w = Workload(model=model, seq_length=seq_length, layout=layout, dtype_bytes=dtype_bytes,
-                 sequence_parallel=sequence_parallel, recompute=recompute,
-                 device=device if cluster.fused_attention else "unfused")
-    layout, counts = w.layout, tuple(len(r) for r in w.layout.stage_layers)
+    plan = ParallelPlan(dims, micro_batch_size, m, _layer_ranges(counts) if counts else (), num_chunks,
+                        sequence_parallel=sequence_parallel and tp > 1, recompute=recompute, seq_length=seq_length,
+                        hidden_size=model.hidden_size, dtype="fp32" if dtype_bytes == 4 else "bf16")
+    w = Workload(model, plan, device=device if cluster.fused_attention else "unfused")
+    plan, counts = w.plan, tuple(len(r) for r in w.plan.stage_layers)
     stages = range(pp)
     mems = [memory_per_rank(w, i) for i in stages]
     comms = [comm_bytes_per_step(w, i) for i in stages]
@@ -309,8 +315,7 @@ def estimate_layout(model: ModelConfig, cluster: Cluster, *, seq_length: int, gl
         "embedding": flush[last][1],
     }
     bytes_ = {g: max(c[g] for c in comms) for g in comms[0]}
-    return Row(layout=layout, sequence_parallel=w.sp, recompute=recompute,
-               parameters=max(stage_parameters(w, i) for i in stages), memory_gb=memory_gb,
+    return Row(plan=plan, parameters=max(stage_parameters(w, i) for i in stages), memory_gb=memory_gb,
                memory_parts=mems[worst].as_dict(), fits=memory_gb <= cluster.gpu_memory_gb,
                comm_bytes=bytes_, bubble_fraction=(pp - 1) / (num_chunks * m), time_parts=parts)
 
@@ -381,7 +386,7 @@ COLUMNS = ("#", "TP", "PP", "v", "DP", "micro", "m", "SP", "recompute", "layers"
 def format_table(rows: list[Row]) -> str:
     def cells(r: Row) -> list[str]:
         gb = {g: f"{v / 1e9:.2f}" for g, v in r.comm_bytes.items()}
-        t, layout, dims = r.time_parts, r.layout, r.layout.dims
+        t, layout, dims = r.time_parts, r.plan, r.plan.dims
         return [str(r.rank or "-"), str(dims.tp_size), str(dims.pp_size), str(r.num_chunks), str(dims.dp_size),
                 str(layout.micro_batch_size), str(layout.num_microbatches),
                 "yes" if r.sequence_parallel else "no", r.recompute_name, r.split, f"{r.memory_gb:.1f}",
@@ -485,8 +490,8 @@ def main(argv: list[str] | None = None) -> None:
     only_tp, only_pp = values.get("tensor_model_parallel_size"), values.get("pipeline_model_parallel_size")
     only_sp, only_rc = values.get("sequence_parallel"), values.get("recompute_granularity")
     only_vpp = values.get("num_layers_per_virtual_pipeline_stage")
-    shown = [r for r in rows if (args.all or r.fits) and only_tp in (None, r.layout.dims.tp_size)
-             and only_pp in (None, r.layout.dims.pp_size) and only_vpp in (None, r.layers_per_virtual_stage)
+    shown = [r for r in rows if (args.all or r.fits) and only_tp in (None, r.plan.dims.tp_size)
+             and only_pp in (None, r.plan.dims.pp_size) and only_vpp in (None, r.layers_per_virtual_stage)
              and only_sp in (None, "yes" if r.sequence_parallel else "no")
              and only_rc in (None, r.recompute_name)][:args.top]
     fitting = sum(r.fits for r in rows)
@@ -498,13 +503,13 @@ def main(argv: list[str] | None = None) -> None:
           f"{cluster.inter_node_gbps:g} Gb/s intra / inter, {cluster.overhead_gb:g} GiB overhead")
     print(f"{fitting} of {len(rows)} layouts fit; bytes per rank per step (GB), times in seconds per step")
     if not fitting and not args.all:
-        smallest, layout = rows[0], rows[0].layout
+        smallest, layout = rows[0], rows[0].plan
         print(f"nothing fits: the smallest needs {smallest.memory_gb:.1f} GiB (TP {layout.dims.tp_size} PP "
               f"{layout.dims.pp_size} micro {layout.micro_batch_size} SP "
               f"{'yes' if smallest.sequence_parallel else 'no'} recompute {smallest.recompute_name}); see --all")
         return
     print(format_table(shown))
-    interleaved = sorted({(r.layout.dims.pp_size, r.num_chunks, r.layers_per_virtual_stage)
+    interleaved = sorted({(r.plan.dims.pp_size, r.num_chunks, r.layers_per_virtual_stage)
                           for r in shown if r.num_chunks > 1})
     if interleaved:
         print("v > 1: interleaved 1F1B, trained with --num-layers-per-virtual-pipeline-stage N = layers / (PP x v): "

@@ -14,10 +14,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from codegeex_train.config.arguments import recompute_from_args
-from codegeex_train.config.model import ModelConfig
+from codegeex_train.config.model_config import ModelConfig
+from codegeex_train.config.plan import ParallelPlan
 from codegeex_train.config.recompute import Recompute
-from codegeex_train.distributed.layout import Layout
 from codegeex_train.pipeline.schedules import interleaved_one_f_one_b
 from codegeex_train.pipeline.stages import chunked_stage_layers, rank_chunk_layers
 
@@ -37,17 +36,12 @@ def _covers_once(ranges: Sequence[Sequence[int]], num_layers: int) -> bool:
 
 @dataclass(frozen=True)
 class Workload:
-    """A model, a batch and a layout, as the formulas need them. The layout (sizes, micro-batches, the layers of
-    each stage) is the run's ``Layout``; an empty ``stage_layers`` means an even split. ``sequence_parallel`` and
-    ``recompute`` are the run's ``--sequence-parallel`` and ``--recompute-*`` (config/recompute.py); SP with TP 1
-    is a no-op, as in training."""
+    """A model and the run's ``ParallelPlan``, as the formulas need them: the plan gives the sizes, micro-batches, the
+    layers of each stage (an empty ``stage_layers`` means an even split), the sequence length, the dtype,
+    ``--sequence-parallel`` (SP with TP 1 is a no-op, as in training) and the recompute choice."""
 
     model: ModelConfig
-    seq_length: int
-    layout: Layout
-    dtype_bytes: int = 4  # compute / weight dtype: 4 fp32, 2 bf16 or fp16
-    sequence_parallel: bool = False
-    recompute: Recompute = Recompute()
+    plan: ParallelPlan
     zero_stage: int = 2
     reduce_bucket_size: int = 500_000_000  # DeepSpeed's defaults, in elements
     allgather_bucket_size: int = 500_000_000
@@ -57,24 +51,27 @@ class Workload:
     device: str = "cuda"
 
     @classmethod
-    def from_run(cls, args, layout: Layout, ds_config: dict | None = None, device: str = "cpu") -> "Workload":
-        """The workload of a training run (parsed ``Args``, its ``Layout``, DeepSpeed config, device type)."""
-        t, zero = args.train, (ds_config or {}).get("zero_optimization", {})
-        return cls(args.model, t.seq_length, layout, dtype_bytes=2 if (t.bf16 or t.fp16) else 4,
-                   sequence_parallel=args.parallel.sequence_parallel, recompute=recompute_from_args(args),
-                   zero_stage=t.zero_stage,
+    def from_run(cls, model: ModelConfig, plan: ParallelPlan, ds_config: dict | None = None,
+                 device: str = "cpu") -> "Workload":
+        """The workload of a training run: its model (vocabulary resolved), plan, DeepSpeed config (ZeRO stage and
+        buckets) and device type."""
+        zero = (ds_config or {}).get("zero_optimization", {})
+        return cls(model, plan, zero_stage=int(zero.get("stage", cls.zero_stage)),
                    reduce_bucket_size=int(zero.get("reduce_bucket_size", cls.reduce_bucket_size)),
                    allgather_bucket_size=int(zero.get("allgather_bucket_size", cls.allgather_bucket_size)),
                    device=device)
 
     def __post_init__(self) -> None:
-        num_layers, pp, v = self.model.num_layers, self.layout.dims.pp_size, self.layout.num_chunks
-        given = ranges = self.layout.stage_layers
-        chunks = self.layout.chunk_layers
+        num_layers, pp, v = self.model.num_layers, self.plan.dims.pp_size, self.plan.num_chunks
+        if self.plan.seq_length < 1 or self.plan.hidden_size not in (0, self.model.hidden_size):
+            raise ValueError(f"the plan's activation shape (--seq-length {self.plan.seq_length}, hidden "
+                             f"{self.plan.hidden_size}) does not fit the model (hidden {self.model.hidden_size})")
+        given = ranges = self.plan.stage_layers
+        chunks = self.plan.chunk_layers
         if v > 1 and not chunks:  # interleaved: the even split into p·v virtual stages, as training makes it
             chunks = tuple(rank_chunk_layers(num_layers, pp, v))
         if v > 1 and (len(chunks) != pp or any(len(c) != v for c in chunks)):
-            raise ValueError(f"the Layout's chunk_layers give {[len(c) for c in chunks]} chunks per stage: "
+            raise ValueError(f"the plan's chunk_layers give {[len(c) for c in chunks]} chunks per stage: "
                              f"want {v} on each of the {pp} stages")
         if v > 1 and not ranges:
             ranges = chunked_stage_layers(chunks)
@@ -83,24 +80,24 @@ class Workload:
             ranges = tuple(range(i * n, (i + 1) * n) for i in range(pp))
         if len(ranges) != pp or not _covers_once(ranges, num_layers):
             raise ValueError(f"{num_layers} layers do not split into {pp} pipeline stages as "
-                             f"{list(given) or 'evenly'}: give the Layout's stage_layers, one range per stage, "
+                             f"{list(given) or 'evenly'}: give the plan's stage_layers, one range per stage, "
                              f"covering every layer once")
         if self.sp and self.seq_length % self.tp_size:
             raise ValueError(f"--sequence-parallel splits --seq-length {self.seq_length} over "
                              f"--tensor-model-parallel-size {self.tp_size}: not divisible")
-        # frozen: set once, here, so that the formulas read the split from the layout alone
-        object.__setattr__(self, "layout", replace(self.layout, stage_layers=tuple(ranges), chunk_layers=chunks))
+        # frozen: set once, here, so that the formulas read the split from the plan alone
+        object.__setattr__(self, "plan", replace(self.plan, stage_layers=tuple(ranges), chunk_layers=chunks))
 
-    # The sizes as Topology names them: the formulas' t, p, d.
-    tp_size = property(lambda self: self.layout.dims.tp_size)
-    pp_size = property(lambda self: self.layout.dims.pp_size)
-    dp_size = property(lambda self: self.layout.dims.dp_size)
-    num_chunks = property(lambda self: self.layout.num_chunks)  # v
-
-    @property
-    def sp(self) -> bool:
-        """Sequence parallelism in effect (it needs a TP group of more than one rank)."""
-        return self.sequence_parallel and self.tp_size > 1
+    # The sizes as Topology names them: the formulas' t, p, d; and the plan's values the formulas read.
+    tp_size = property(lambda self: self.plan.dims.tp_size)
+    pp_size = property(lambda self: self.plan.dims.pp_size)
+    dp_size = property(lambda self: self.plan.dims.dp_size)
+    num_chunks = property(lambda self: self.plan.num_chunks)  # v
+    seq_length = property(lambda self: self.plan.seq_length)  # s
+    dtype_bytes = property(lambda self: self.plan.dtype_bytes)  # e
+    sequence_parallel = property(lambda self: self.plan.sequence_parallel)
+    recompute = property(lambda self: self.plan.recompute)
+    sp = property(lambda self: self.plan.sp)  # sequence parallelism in effect (TP > 1)
 
     @property
     def checkpoint_activations(self) -> bool:
@@ -108,7 +105,7 @@ class Workload:
         return self.recompute.is_full
 
     def layers_on(self, pp_rank: int) -> int:
-        return len(self.layout.stage_layers[pp_rank])
+        return len(self.plan.stage_layers[pp_rank])
 
     def first(self, pp_rank: int) -> bool:
         return pp_rank == 0
@@ -118,7 +115,7 @@ class Workload:
 
     def chunk_sizes(self, pp_rank: int) -> list[int]:
         """Layers of each model chunk of stage ``pp_rank`` (one chunk, the stage, without interleaving)."""
-        return [len(c) for c in self.layout.rank_chunks(pp_rank)]
+        return [len(c) for c in self.plan.rank_chunks(pp_rank)]
 
     def first_chunk(self, pp_rank: int, chunk: int) -> bool:
         """The first virtual stage (it embeds the ids): chunk 0 of the first stage."""
@@ -226,7 +223,7 @@ def tp_bytes_per_microbatch(w: Workload, pp_rank: int = 0) -> dict[str, int]:
     terms = dict.fromkeys(TP_TERMS, 0)
     if w.tp_size == 1:
         return terms
-    b, s, e = w.layout.micro_batch_size, w.seq_length, w.dtype_bytes
+    b, s, e = w.plan.micro_batch_size, w.seq_length, w.dtype_bytes
     phi = b * s * m.hidden_size * e
     layers, top_query = w.layers_on(pp_rank), w.top_query_on(pp_rank)
     terms["activations"] = (layers + top_query) * 8 * phi + (2 * phi if top_query else 0)
@@ -255,14 +252,14 @@ def comm_bytes_per_step(w: Workload, pp_rank: int = 0) -> dict[str, int]:
     (the first stage's chunk 0) starts from the ids: (2 m v - m [first stage] - m [last stage]) x phi, phi / t under
     SP ((b, s/t, h)). v = 1 is 1F1B's 2m, m at either end."""
     m = w.model
-    b, s, h, e = w.layout.micro_batch_size, w.seq_length, m.hidden_size, w.dtype_bytes
+    b, s, h, e = w.plan.micro_batch_size, w.seq_length, m.hidden_size, w.dtype_bytes
     phi = b * s * h * e
     out = dict.fromkeys(GROUPS, 0)
-    out["tp"] = w.layout.num_microbatches * sum(tp_bytes_per_microbatch(w, pp_rank).values())
+    out["tp"] = w.plan.num_microbatches * sum(tp_bytes_per_microbatch(w, pp_rank).values())
     if w.pp_size > 1:
         v = w.num_chunks
         sends = (v - w.last(pp_rank)) + (v - w.first(pp_rank))  # activations down, gradients up, per micro-batch
-        out["pp"] = w.layout.num_microbatches * sends * phi // (w.tp_size if w.sp else 1)  # SP: (b, s/t, h)
+        out["pp"] = w.plan.num_microbatches * sends * phi // (w.tp_size if w.sp else 1)  # SP: (b, s/t, h)
     grad_bytes = 4 if w.dtype_bytes == 4 else w.dtype_bytes  # ZeRO reduces gradients in the param dtype
     tied = m.padded_vocab_size // w.tp_size * h * 4  # fp32 full gradient of the word table
     if w.pp_size > 1 and (w.first(pp_rank) or w.last(pp_rank)):
@@ -271,7 +268,7 @@ def comm_bytes_per_step(w: Workload, pp_rank: int = 0) -> dict[str, int]:
         params = stage_parameters(w, pp_rank)
         # ZeRO-2 all-reduces every micro-batch's gradients bucket by bucket (DeepSpeed's reduce_scatter is a
         # bucket all-reduce plus slicing), then all-gathers the updated weights after the step.
-        dp = w.layout.num_microbatches * 2 * params * grad_bytes + dp_allgather_bytes(w, pp_rank)
+        dp = w.plan.num_microbatches * 2 * params * grad_bytes + dp_allgather_bytes(w, pp_rank)
         if w.pp_size > 1 and (w.first(pp_rank) or w.last(pp_rank)):
             dp += 2 * tied  # safe_get_full_grad of the tied copy: one all-reduce over DP
         out["dp"] = dp
@@ -313,7 +310,7 @@ def _mask_bytes(w: Workload, p: float) -> int:
 def attention_core_bytes(w: Workload) -> int:
     """What the attention core (QK^T, softmax, dropout, x V) keeps beyond Q, K, V and its output, one rank."""
     m = w.model
-    b, s, a, e, t = w.layout.micro_batch_size, w.seq_length, m.num_attention_heads, w.dtype_bytes, w.tp_size
+    b, s, a, e, t = w.plan.micro_batch_size, w.seq_length, m.num_attention_heads, w.dtype_bytes, w.tp_size
     if fused_attention(w):
         return 4 * a * s * b // t  # fp32 log-sum-exp per head and query
     probs = e * a * s * s * b // t
@@ -365,7 +362,7 @@ def layer_activation_bytes(w: Workload, top_query: bool = False) -> dict[str, in
     ``layernorm`` (4 sbh / r) are the further choices.
     """
     m = w.model
-    b, s, h, f = w.layout.micro_batch_size, w.seq_length, m.hidden_size, m.ffn_hidden_size
+    b, s, h, f = w.plan.micro_batch_size, w.seq_length, m.hidden_size, m.ffn_hidden_size
     e, t = w.dtype_bytes, w.tp_size
     r = t if w.sp else 1
     sbh, rc = s * b * h, w.recompute
@@ -402,7 +399,7 @@ def activation_parts(w: Workload, pp_rank: int = 0, chunk: int | None = None) ->
         per_chunk = [activation_parts(w, pp_rank, c) for c in range(w.num_chunks)]
         return {k: sum(parts[k] for parts in per_chunk) for k in per_chunk[0]}
     m = w.model
-    b, s, h, e, t = w.layout.micro_batch_size, w.seq_length, m.hidden_size, w.dtype_bytes, w.tp_size
+    b, s, h, e, t = w.plan.micro_batch_size, w.seq_length, m.hidden_size, w.dtype_bytes, w.tp_size
     r = t if w.sp else 1
     sbh = s * b * h
     layers = w.chunk_sizes(pp_rank)[chunk]
@@ -449,14 +446,14 @@ def recompute_working_bytes(w: Workload, pp_rank: int = 0) -> int:
     sizes, rc = w.chunk_sizes(pp_rank), w.recompute
     top_query = w.top_query_on(pp_rank)
     if rc.is_full:
-        kept = replace(w, recompute=Recompute())
+        kept = replace(w, plan=replace(w.plan, recompute=Recompute()))
         layer = sum(layer_activation_bytes(kept).values())
         units = [full_unit_counts(rc, n)[2] * layer for n in sizes]
         if top_query and rc.covers_top_query_layer(sizes[-1]):
             units.append(sum(layer_activation_bytes(kept, top_query=True).values()))
         return max(units, default=0)
     if rc.granularity == "selective" and (any(sizes) or top_query):
-        kept = replace(w, recompute=Recompute())
+        kept = replace(w, plan=replace(w.plan, recompute=Recompute()))
         dropped = [sum(layer_activation_bytes(kept, q).values()) - sum(layer_activation_bytes(w, q).values())
                    for q in ([False] if any(sizes) else []) + ([True] if top_query else [])]
         return max(dropped)
@@ -466,7 +463,7 @@ def recompute_working_bytes(w: Workload, pp_rank: int = 0) -> int:
 def microbatches_in_flight(w: Workload, pp_rank: int) -> int:
     """1F1B: stage i holds the activations of at most p - i micro-batches at once. Interleaved (v > 1): at most
     min(2(p - i - 1) + (v - 1)p + 1, m v) (micro-batch, chunk) pairs, its warm-up plus one (pipeline/schedules.py)."""
-    p, m, v = w.pp_size, w.layout.num_microbatches, w.num_chunks
+    p, m, v = w.pp_size, w.plan.num_microbatches, w.num_chunks
     if v == 1:
         return min(p - pp_rank, m)
     return min(2 * (p - pp_rank - 1) + (v - 1) * p + 1, m * v)
@@ -528,7 +525,7 @@ def memory_per_rank(w: Workload, pp_rank: int = 0) -> MemoryParts:
     gradients = 4 * max(shard, largest_parameter(w, pp_rank) if d > 1 else 0) if w.zero_stage >= 2 else 4 * psi
     bucket = min(w.reduce_bucket_size, psi) * e
     activations = activations_in_flight(chunk_activation_bytes(w, pp_rank), w.pp_size, pp_rank,
-                                        w.layout.num_microbatches)
+                                        w.plan.num_microbatches)
     return MemoryParts(weights=psi * e, gradients=gradients, optimizer=optimizer, buffers=bucket,
                        activations=activations, recompute=recompute_working_bytes(w, pp_rank),
                        notes={"parameters": psi, "partition": shard})
@@ -559,7 +556,7 @@ def expected_memory_report(w: Workload) -> str:
                      f"{_gib(parts.total)}; per step moves "
                      + ", ".join(f"{g} {_gib(n)}" for g, n in comm.items() if n))
         if w.sp or w.recompute.is_full:
-            tp = {k: v * w.layout.num_microbatches for k, v in tp_bytes_per_microbatch(w, pp_rank).items() if v}
+            tp = {k: v * w.plan.num_microbatches for k, v in tp_bytes_per_microbatch(w, pp_rank).items() if v}
             lines.append(f"{' ' * len(stage)}tp = " + " + ".join(f"{k.replace('_', ' ')} {_gib(v)}"
                                                                 for k, v in tp.items()))
     return "\n".join(lines)

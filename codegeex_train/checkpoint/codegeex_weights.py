@@ -49,7 +49,7 @@ from collections.abc import Mapping
 
 import torch
 
-from codegeex_train.config.model import ModelConfig
+from codegeex_train.config.model_config import ModelConfig
 
 PREFIX = "language_model."
 WORDS = PREFIX + "embedding.word_embeddings.weight"

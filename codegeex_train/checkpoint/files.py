@@ -40,7 +40,7 @@ import torch
 
 from codegeex_train.checkpoint.safe_load import CheckpointError, check_tag_dir, file_kind, safe_torch_load
 from codegeex_train.checkpoint.sharding import merge_state_dicts, partition_spec, stages_of_name
-from codegeex_train.config.model import ModelConfig
+from codegeex_train.config.model_config import ModelConfig
 from codegeex_train.data.code_tokens import trained_order
 from codegeex_train.metrics.redaction import redact_secrets
 

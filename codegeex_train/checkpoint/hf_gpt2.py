@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from codegeex_train.config.model import ModelConfig
+from codegeex_train.config.model_config import ModelConfig
 
 # Our per-layer name -> GPT-2's (transformer.h.{i}.) name, and whether HF's Conv1D stores it (in, out).
 _LAYER_MAP: tuple[tuple[str, str, bool], ...] = (

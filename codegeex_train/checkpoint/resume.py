@@ -67,7 +67,7 @@ from codegeex_train.checkpoint.files import (
 )
 from codegeex_train.checkpoint.safe_load import verify_checkpoint_dir
 from codegeex_train.checkpoint.train_state import TrainState
-from codegeex_train.checkpoint.training import check_training_state, load_checkpoint
+from codegeex_train.checkpoint.deepspeed_checkpoint import check_training_state, load_checkpoint
 from codegeex_train.checkpoint.universal import (
     check_universal_tensors,
     is_universal,
@@ -76,7 +76,8 @@ from codegeex_train.checkpoint.universal import (
     read_universal_meta,
 )
 from codegeex_train.config.arguments import ConfigError, TrainConfig
-from codegeex_train.config.model import ModelConfig
+from codegeex_train.config.model_config import ModelConfig
+from codegeex_train.config.plan import ParallelPlan
 from codegeex_train.distributed.topology import ParallelDims, Topology
 from codegeex_train.pipeline import sync_shared_embedding
 from codegeex_train.tensor_parallel import RNGStatesTracker
@@ -248,7 +249,9 @@ def preflight_resume(load_dir: str, config: ModelConfig, dims: ParallelDims, *, 
     saved = {"TP": tp, "PP": pp, "virtual pipeline chunks per rank": saved_num_chunks(meta)}
     if full and load_optim:
         saved["DP"] = saved_dp
-    ours = {"TP": dims.tp_size, "PP": dims.pp_size, "DP": dims.dp_size, "virtual pipeline chunks per rank": num_chunks}
+    # ZeRO partitions over DeepSpeed's data-parallel group, DP x CP
+    ours = {"TP": dims.tp_size, "PP": dims.pp_size, "DP": dims.dp_cp_size,
+            "virtual pipeline chunks per rank": num_chunks}
     diff = [k for k in saved if saved[k] != ours[k]]
     if diff:
         layout = ", ".join(f"{k} {saved[k]} (this run {ours[k]})" for k in diff)
@@ -268,13 +271,13 @@ def preflight_resume(load_dir: str, config: ModelConfig, dims: ParallelDims, *, 
     return Resume(load_dir, tag, kind, meta, **flags)
 
 
-def preflight_load(train: TrainConfig, config: ModelConfig, dims: ParallelDims, num_chunks: int = 1,
-                   stage_layers: Sequence[Sequence[int]] | None = None) -> Resume | None:
+def preflight_load(train: TrainConfig, config: ModelConfig, plan: ParallelPlan) -> Resume | None:
     """What this run starts from, checked before any process group: None (a fresh start), or ``--load`` with
     what to restore of it (--finetune, --no-load-optim, --no-load-rng); under --finetune, --save instead when it
-    already holds a checkpoint (a relaunch). Nonsense combinations raise ConfigError naming the flags.
-    ``stage_layers``: this run's layers of each pipeline stage (``Layout.stage_layers``)."""
+    already holds a checkpoint (a relaunch). Nonsense combinations raise ConfigError naming the flags. Checked
+    against this run's ``config`` (the vocabulary resolved) and ``plan`` (sizes, chunks, each stage's layers)."""
     t = train
+    dims, num_chunks, stage_layers = plan.dims, plan.num_chunks, plan.stage_layers or None
     if t.load is None:
         if t.finetune or t.no_load_optim or t.no_load_rng:
             given = " ".join(flag for flag, on in (("--finetune", t.finetune), ("--no-load-optim", t.no_load_optim),
@@ -297,7 +300,7 @@ def preflight_load(train: TrainConfig, config: ModelConfig, dims: ParallelDims, 
 
 
 def restore(resume: Resume | None, model: torch.nn.Module, topology: Topology, tracker: RNGStatesTracker,
-            stage_layers: tuple[range, ...], build_engine: Callable[[torch.nn.Module], object]):
+            plan: ParallelPlan, build_engine: Callable[[torch.nn.Module], object]):
     """Build the engine around ``model`` with ``build_engine`` and bring both to where ``resume`` left off (or to
     a fresh start); returns ``(engine, TrainState)``.
 
@@ -308,7 +311,7 @@ def restore(resume: Resume | None, model: torch.nn.Module, topology: Topology, t
 
     Under ``resume.finetune`` a training checkpoint's model files go into the model before the engine is built too,
     and nothing else is restored: a fresh optimizer, LR schedule and TrainState, the RNG streams as seeded."""
-    kind = resume.kind if resume is not None else None
+    kind, stage_layers = resume.kind if resume is not None else None, plan.stage_layers
     if resume is not None and resume.note and topology.rank == 0:
         print(resume.note, flush=True)
     finetune = resume is not None and resume.finetune

@@ -11,7 +11,7 @@ with a one-line message naming the file.
 :func:`verify_checkpoint_dir` applies that check to every ``.pt`` file under a checkpoint tag before
 DeepSpeed's ``engine.load_checkpoint`` (one ``error:`` line before any process group). DeepSpeed then reads its
 own files (the model states and the ZeRO optimizer partitions) again, through the checkpoint engine
-``checkpoint/training.py`` installs, whose ``load`` is :func:`safe_torch_load` too: a file changed after the check
+``checkpoint/deepspeed_checkpoint.py`` installs, whose ``load`` is :func:`safe_torch_load` too: a file changed after the check
 is refused there, never unpickled with ``weights_only=False``.
 
 Files are opened once, without blocking, and must be regular files (a FIFO or device named ``*.pt`` is refused,

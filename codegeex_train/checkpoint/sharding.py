@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from codegeex_train.config.model import ModelConfig
+from codegeex_train.config.model_config import ModelConfig
 from codegeex_train.tensor_parallel import shard_master_weight
 
 # (name pattern, partition dim, stride); parameters matching none are replicated.

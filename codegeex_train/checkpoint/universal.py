@@ -48,7 +48,7 @@ from codegeex_train.checkpoint.files import (
 from codegeex_train.checkpoint.safe_load import check_tag_dir, checkpoint_files, file_kind, open_regular, safe_torch_load
 from codegeex_train.checkpoint.sharding import merge_state_dicts, split_model_parallel
 from codegeex_train.checkpoint.train_state import TrainState
-from codegeex_train.config.model import ModelConfig
+from codegeex_train.config.model_config import ModelConfig
 
 UNIVERSAL_META = "universal.json"
 STATES = ("fp32", "exp_avg", "exp_avg_sq")

@@ -4,13 +4,15 @@
 ``options.py``      ``option()``: a dataclass field that is also a flag; argparse generated from the dataclasses
 ``model.py``        ``ModelConfig``: the model's shape and maths (``--num-layers``, ``--hidden-size``, ...)
 ``arguments.py``    the other sections (parallel, train, optim, data, logging), ``parse_args`` and ``validate``:
-                    every cross-section rule in one place, deriving the run's ``Layout``
+                    every cross-section rule in one place, deriving the run's ``ParallelPlan``
+``plan.py``         ``ParallelPlan``: the run's dimensions, micro-batches, stages, sequence parallelism, recompute
+                    and activation shape, made once and passed to every consumer
 ``deepspeed.py``    the DeepSpeed JSON built from the flags (a user's ``--deepspeed-config`` may only add to it)
 ==================  ======================================================================================
 
 ``megatron_flags.py``: Megatron-LM's flags, each the same as ours, an alias, accepted without effect, or refused with
 ours named; the parsers' aliases and refusals and docs/megatron-flags.md are generated from its tables.
 
-May import: ``pipeline`` (stage splits), ``distributed`` (``ParallelDims``, ``Layout``). Nothing here creates a
+May import: ``pipeline`` (stage splits), ``distributed`` (``ParallelDims``). Nothing here creates a
 process group: a bad flag is refused before any exists.
 """

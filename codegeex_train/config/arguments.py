@@ -1,7 +1,9 @@
 """The pretraining command line: typed config sections, Megatron's flag names, validated once.
 
 ``parse_args`` turns argv into ``Args`` (one dataclass per concern); ``validate`` checks every
-cross-section rule in a fixed order and derives the batch arithmetic, before any process group exists.
+cross-section rule in a fixed order and derives, once, the run's ``ParallelPlan`` (config/plan.py), before any
+process group exists. ``Args`` stay as parsed: the tokenizer's vocabulary goes into a copy of the model config
+(``ModelConfig.with_vocab``) that ``validate`` checks.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import warnings
 from dataclasses import dataclass
 
 from codegeex_train.config import megatron_flags
-from codegeex_train.config.model import ModelConfig, ModelConfigError
+from codegeex_train.config.model_config import ModelConfig, ModelConfigError
 from codegeex_train.config.recompute import GRANULARITIES as RECOMPUTE_GRANULARITIES
 from codegeex_train.config.recompute import METHODS as RECOMPUTE_METHODS
 from codegeex_train.config.recompute import MODULES as RECOMPUTE_MODULES
@@ -31,7 +33,7 @@ from codegeex_train.config.options import (
     option,
     out_of_range,
 )
-from codegeex_train.distributed.layout import Layout
+from codegeex_train.config.plan import ParallelPlan
 from codegeex_train.distributed.topology import ParallelConfigError, ParallelDims
 from codegeex_train.pipeline.stages import (
     PipelineSplitError,
@@ -382,9 +384,12 @@ def check_save_dir(save: str) -> None:
                           f"can write to, or make it writable") from None
 
 
-def validate(args: Args, world_size: int) -> Layout:
-    """Every flag's range, then every rule that spans sections, in order; raises ConfigError naming the flags."""
+def validate(args: Args, world_size: int, model: ModelConfig | None = None) -> ParallelPlan:
+    """Every flag's range, then every rule that spans sections, in order; raises ConfigError naming the flags.
+    Returns the run's plan. ``model``: ``args.model`` with the tokenizer's vocabulary (``with_vocab``), checked in
+    full; None: ``args.model``, whose vocabulary-dependent checks wait for it when it has none."""
     t, o, d = args.train, args.optim, args.data
+    model = args.model if model is None else model
     check_ranges(args)
     try:
         dims = ParallelDims(world_size, args.parallel.tensor_model_parallel_size,
@@ -404,10 +409,10 @@ def validate(args: Args, world_size: int) -> Layout:
             f"(--micro-batch-size {t.micro_batch_size} x DP {dims.dp_size}) = {num_microbatches}")
     p = args.parallel
     try:
-        stage_layers = tuple(stage_layer_ranges(args.model.num_layers, dims.pp_size,
+        stage_layers = tuple(stage_layer_ranges(model.num_layers, dims.pp_size,
                                                 p.decoder_first_pipeline_num_layers,
                                                 p.decoder_last_pipeline_num_layers))
-        num_chunks = virtual_pipeline_size(args.model.num_layers, dims.pp_size,
+        num_chunks = virtual_pipeline_size(model.num_layers, dims.pp_size,
                                            p.num_layers_per_virtual_pipeline_stage,
                                            p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers)
     except PipelineSplitError as e:
@@ -420,7 +425,7 @@ def validate(args: Args, world_size: int) -> Layout:
                 f"({num_microbatches} = --global-batch-size {global_batch} / (--micro-batch-size "
                 f"{t.micro_batch_size} x DP {dims.dp_size})) divisible by --pipeline-model-parallel-size "
                 f"{dims.pp_size}: use a global batch that gives a multiple of {dims.pp_size}")
-        chunk_layers = tuple(rank_chunk_layers(args.model.num_layers, dims.pp_size, num_chunks))
+        chunk_layers = tuple(rank_chunk_layers(model.num_layers, dims.pp_size, num_chunks))
         stage_layers = chunked_stage_layers(chunk_layers)
     if dims.pp_size > 1 and t.zero_stage == 0:
         # Without ZeRO, DeepSpeed's own clipping does not skip the tied copy (measured: 3e-5 off by step 4).
@@ -435,11 +440,11 @@ def validate(args: Args, world_size: int) -> Layout:
     if t.fp16 and t.bf16:
         raise ConfigError("--fp16 and --bf16 are exclusive: choose one")
     try:
-        args.model.check_sequence_length(t.seq_length)
-        if args.model.vocab_size:
-            args.model.validate(dims.tp_size)
-        elif args.model.num_attention_heads % dims.tp_size:  # the rest waits for the tokenizer's vocab
-            raise ModelConfigError(f"--num-attention-heads {args.model.num_attention_heads} is not divisible by "
+        model.check_sequence_length(t.seq_length)
+        if model.vocab_size:
+            model.validate(dims.tp_size)
+        elif model.num_attention_heads % dims.tp_size:  # the rest waits for the tokenizer's vocab
+            raise ModelConfigError(f"--num-attention-heads {model.num_attention_heads} is not divisible by "
                                    f"--tensor-model-parallel-size {dims.tp_size}")
     except ModelConfigError as e:
         raise ConfigError(str(e)) from None
@@ -451,7 +456,7 @@ def validate(args: Args, world_size: int) -> Layout:
         raise ConfigError("--lr-warmup-iters and --lr-warmup-fraction are exclusive")
     if o.min_lr > o.lr:
         raise ConfigError(f"--min-lr {o.min_lr} is above --lr {o.lr}")
-    recompute_from_args(args)  # raises ConfigError
+    recompute = recompute_from_args(args)  # the one place the --recompute-* flags are read; raises ConfigError
     if args.parallel.sequence_parallel:
         if dims.tp_size == 1:
             warnings.warn("--sequence-parallel with --tensor-model-parallel-size 1 does nothing (no TP group to split "
@@ -486,4 +491,7 @@ def validate(args: Args, world_size: int) -> Layout:
         raise ConfigError(f"--load {t.load}: no such directory")
     if t.save is not None:
         check_save_dir(t.save)
-    return Layout(dims, t.micro_batch_size, num_microbatches, stage_layers, num_chunks, chunk_layers)
+    return ParallelPlan(dims, t.micro_batch_size, num_microbatches, stage_layers, num_chunks, chunk_layers,
+                        sequence_parallel=args.parallel.sequence_parallel, recompute=recompute,
+                        seq_length=t.seq_length, hidden_size=model.hidden_size,
+                        dtype="bf16" if t.bf16 else "fp16" if t.fp16 else "fp32")

@@ -11,23 +11,22 @@ import json
 from typing import Any
 
 from codegeex_train.config.arguments import Args, ConfigError
-from codegeex_train.distributed.layout import Layout
+from codegeex_train.config.plan import ParallelPlan
 
 _MISSING = object()
 
 
-def _flag_values(args: Args, layout: Layout) -> dict[tuple[str, ...], tuple[Any, str]]:
+def _flag_values(args: Args, plan: ParallelPlan) -> dict[tuple[str, ...], tuple[Any, str]]:
     """DeepSpeed key path -> (value from the flags, the flag that set it)."""
-    t = args.train
     values = {
-        ("train_batch_size",): (layout.global_batch_size, "--global-batch-size"),
-        ("train_micro_batch_size_per_gpu",): (layout.micro_batch_size, "--micro-batch-size"),
-        ("gradient_accumulation_steps",): (layout.num_microbatches, "--num-microbatches"),
+        ("train_batch_size",): (plan.global_batch_size, "--global-batch-size"),
+        ("train_micro_batch_size_per_gpu",): (plan.micro_batch_size, "--micro-batch-size"),
+        ("gradient_accumulation_steps",): (plan.num_microbatches, "--num-microbatches"),
         # Set explicitly: DeepSpeed's default changed across versions, and CodeGeeX's own script never clipped.
         ("gradient_clipping",): (args.optim.clip_grad, "--clip-grad"),
-        ("zero_optimization", "stage"): (t.zero_stage, "--zero-stage"),
-        ("fp16", "enabled"): (t.fp16, "--fp16"),
-        ("bf16", "enabled"): (t.bf16, "--bf16"),
+        ("zero_optimization", "stage"): (args.train.zero_stage, "--zero-stage"),
+        ("fp16", "enabled"): (plan.dtype == "fp16", "--fp16"),
+        ("bf16", "enabled"): (plan.dtype == "bf16", "--bf16"),
     }
     return values
 
@@ -59,21 +58,22 @@ def load_user_config(path: str | None) -> dict:
         raise ConfigError(f"--deepspeed-config {path}: not valid JSON ({e})") from None
 
 
-def build_deepspeed_config(args: Args, layout: Layout, user: dict | None = None) -> dict:
-    """The config handed to ``deepspeed.initialize``; raises ConfigError on any contradiction."""
+def build_deepspeed_config(args: Args, plan: ParallelPlan, user: dict | None = None) -> dict:
+    """The config handed to ``deepspeed.initialize`` (the batch arithmetic and precision from the plan, clipping and
+    ZeRO stage from ``args``' optim and train sections); raises ConfigError on any contradiction."""
     config = json.loads(json.dumps(user or {}))  # deep copy
     for reserved in ("optimizer", "scheduler"):
         if reserved in config:
             raise ConfigError(f"--deepspeed-config has an {reserved!r} section: the optimizer and LR schedule come "
                               f"from the flags (--optimizer, --lr, --lr-decay-style, ...); remove the section")
-    for path, (value, flag) in _flag_values(args, layout).items():
+    for path, (value, flag) in _flag_values(args, plan).items():
         existing = _get(config, path)
         if existing not in (_MISSING, "auto") and existing != value:
             raise ConfigError(f"--deepspeed-config sets {'.'.join(path)} = {existing!r} but {flag} gives {value!r}: "
                               f"remove it from the JSON or change the flag")
         if existing is _MISSING or existing == "auto":
             _set(config, path, value)
-    if args.train.fp16:
+    if plan.dtype == "fp16":
         # Dynamic loss scaling unless the user's JSON pins a static scale.
         config["fp16"].setdefault("loss_scale", 0)
         config["fp16"].setdefault("initial_scale_power", 16)

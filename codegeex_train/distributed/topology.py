@@ -1,11 +1,14 @@
-"""Megatron process-group layout: which global ranks form each TP, PP, DP, MP and embedding group.
+"""Megatron process-group layout: which global ranks form each TP, CP, PP, DP, DP x CP, MP and embedding group.
 
-The layout is a pure function of (world size, TP size, PP size), testable with no process group:
+The layout is a pure function of the sizes (``ParallelDims``), testable with no process group. One rank order,
+Megatron's tp-cp-dp-pp (the first varies fastest):
 
-    rank = pp_rank * (dp_size * tp_size) + dp_rank * tp_size + tp_rank
+    rank = ((pp_rank * dp_size + dp_rank) * cp_size + cp_rank) * tp_size + tp_rank
 
-TP varies fastest, so a TP group is a run of contiguous ranks and sits inside one node (TP moves the
-most bytes); then DP; PP varies slowest, so pipeline stages are the groups that cross nodes first.
+TP varies fastest, so a TP group is a run of contiguous ranks and sits inside one node (TP moves the most bytes);
+then CP (context parallelism: the sequence split over ranks; 1 until it is implemented, which gives exactly the
+tp-dp-pp order), then DP; PP varies slowest, so pipeline stages are the groups that cross nodes first.
+``build_rank_groups`` is the one function that makes every group; ``Topology`` creates them and keeps this rank's.
 
     python -m codegeex_train.distributed.topology --world-size 16 --tensor-model-parallel-size 2 \
         --pipeline-model-parallel-size 4 [--gpus-per-node 8] [--json]
@@ -18,6 +21,8 @@ import json
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
+from itertools import product
+from typing import NamedTuple
 
 import torch.distributed as dist
 
@@ -30,68 +35,118 @@ class ParallelConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Validated parallel sizes. DP is derived: world = TP x PP x DP."""
+    """Validated parallel sizes, the named dimensions of the run. DP is derived: world = TP x CP x PP x DP.
+    ``cp_size`` (context parallelism) has no flag yet: 1."""
 
     world_size: int
     tp_size: int = 1
     pp_size: int = 1
+    cp_size: int = 1
 
     def __post_init__(self) -> None:
         for flag, value in (
             ("--world-size", self.world_size),
             ("--tensor-model-parallel-size", self.tp_size),
             ("--pipeline-model-parallel-size", self.pp_size),
+            ("--context-parallel-size", self.cp_size),
         ):
             if value < 1:
                 raise ParallelConfigError(f"{flag}={value}: must be >= 1")
-        if self.world_size % (self.tp_size * self.pp_size):
+        if self.world_size % self.non_data_parallel_size:
+            cp = f" x context-parallel size {self.cp_size}" if self.cp_size > 1 else ""
             raise ParallelConfigError(
                 f"world size {self.world_size} is not divisible by --tensor-model-parallel-size "
-                f"{self.tp_size} x --pipeline-model-parallel-size {self.pp_size} = "
-                f"{self.tp_size * self.pp_size}: change one of them or the number of processes"
+                f"{self.tp_size} x --pipeline-model-parallel-size {self.pp_size}{cp} = "
+                f"{self.non_data_parallel_size}: change one of them or the number of processes"
             )
 
     @property
+    def non_data_parallel_size(self) -> int:
+        """TP x CP x PP: the ranks one data-parallel replica spans."""
+        return self.tp_size * self.cp_size * self.pp_size
+
+    @property
     def dp_size(self) -> int:
-        return self.world_size // (self.tp_size * self.pp_size)
+        return self.world_size // self.non_data_parallel_size
+
+    @property
+    def dp_cp_size(self) -> int:
+        """The ranks that see different tokens of one step: gradients and the loss are reduced over them."""
+        return self.dp_size * self.cp_size
 
     @property
     def mp_size(self) -> int:
+        """DeepSpeed's "model parallel": the ranks holding different parameters (TP x PP)."""
         return self.tp_size * self.pp_size
+
+    def rank_coords(self, rank: int) -> RankCoords:
+        """This rank's coordinate on every dimension (the tp-cp-dp-pp order)."""
+        rank, tp_rank = divmod(rank, self.tp_size)
+        rank, cp_rank = divmod(rank, self.cp_size)
+        pp_rank, dp_rank = divmod(rank, self.dp_size)
+        return RankCoords(tp_rank, cp_rank, dp_rank, pp_rank)
 
     def coords(self, rank: int) -> tuple[int, int, int]:
         """(tp_rank, dp_rank, pp_rank) of a global rank."""
-        return rank % self.tp_size, (rank // self.tp_size) % self.dp_size, rank // (self.tp_size * self.dp_size)
+        c = self.rank_coords(rank)
+        return c.tp, c.dp, c.pp
 
-    def rank_of(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
-        return (pp_rank * self.dp_size + dp_rank) * self.tp_size + tp_rank
+    def rank_of(self, tp_rank: int, dp_rank: int, pp_rank: int, cp_rank: int = 0) -> int:
+        return ((pp_rank * self.dp_size + dp_rank) * self.cp_size + cp_rank) * self.tp_size + tp_rank
+
+
+class RankCoords(NamedTuple):
+    tp: int
+    cp: int
+    dp: int
+    pp: int
 
 
 @dataclass(frozen=True)
 class RankGroups:
-    """Every group of each kind, as lists of global ranks (the same on every process)."""
+    """Every group of each kind, as lists of global ranks (the same on every process). With CP 1 a CP group is one
+    rank and DP x CP is DP: ``as_dict`` then leaves both out (no group of their own is created)."""
 
     tp: Groups
+    cp: Groups
     pp: Groups
     dp: Groups
+    dp_cp: Groups
     mp: Groups
     embedding: Groups
 
     def as_dict(self) -> dict[str, Groups]:
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "mp": self.mp, "embedding": self.embedding}
+        groups = {"tp": self.tp, "cp": self.cp, "pp": self.pp, "dp": self.dp, "dp_cp": self.dp_cp, "mp": self.mp,
+                  "embedding": self.embedding}
+        if all(len(g) == 1 for g in self.cp):
+            del groups["cp"], groups["dp_cp"]
+        return groups
 
 
 def build_rank_groups(dims: ParallelDims) -> RankGroups:
-    """Megatron's layout: TP contiguous, DP strided by TP inside a stage, PP strided by a stage."""
-    tp, dp, pp = dims.tp_size, dims.dp_size, dims.pp_size
-    r = dims.rank_of
-    tp_groups = [[r(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)]
-    dp_groups = [[r(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)]
-    pp_groups = [[r(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)]
-    mp_groups = [sorted(r(t, d, p) for p in range(pp) for t in range(tp)) for d in range(dp)]
+    """Every group, in Megatron's layout: TP contiguous, CP strided by TP, DP strided by TP x CP inside a stage,
+    PP strided by a stage."""
+    tp, cp, dp, pp = dims.tp_size, dims.cp_size, dims.dp_size, dims.pp_size
+
+    def groups(varying: str) -> Groups:
+        """One group per fixed value of the other coordinates; the members vary along ``varying`` (a string of
+        dimension names, e.g. "tp" or "dp cp"), in rank order."""
+        sizes = {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
+        inside = varying.split()
+        fixed = [d for d in ("pp", "dp", "cp", "tp") if d not in inside]
+        out = []
+        for outer in product(*(range(sizes[d]) for d in fixed)):
+            at = dict(zip(fixed, outer))
+            members = [dims.rank_of(**{f"{d}_rank": v for d, v in {**at, **dict(zip(inside, inner))}.items()})
+                       for inner in product(*(range(sizes[d]) for d in inside))]
+            out.append(sorted(members))
+        return out
+
+    pp_groups = groups("pp")
     # The tied word embedding lives on the first and the last stage; with PP = 1 they coincide.
     embedding_groups = [sorted({g[0], g[-1]}) for g in pp_groups]
-    return RankGroups(tp_groups, pp_groups, dp_groups, mp_groups, embedding_groups)
+    return RankGroups(tp=groups("tp"), cp=groups("cp"), pp=pp_groups, dp=groups("dp"), dp_cp=groups("dp cp"),
+                      mp=groups("tp pp"), embedding=embedding_groups)
 
 
 def warn_if_tp_spans_nodes(dims: ParallelDims, gpus_per_node: int) -> Groups:
@@ -112,10 +167,12 @@ def _group_containing(groups: Groups, rank: int) -> list[int]:
 
 
 class Topology:
-    """This process's place in the layout and its torch.distributed groups; built once, passed explicitly.
+    """This process's place in the layout and its torch.distributed groups; built once (from the plan's
+    ``ParallelDims``), passed explicitly.
 
     Every process must build it (``new_group`` is collective over the world), after
-    ``torch.distributed.init_process_group``.
+    ``torch.distributed.init_process_group``. With CP 1 there is no CP group (``cp_group`` None, as a TP group of
+    one is None for the layers) and the DP x CP group is the DP group.
     """
 
     def __init__(self, dims: ParallelDims, rank: int | None = None, timeout: timedelta | None = None):
@@ -125,7 +182,7 @@ class Topology:
             raise ParallelConfigError(
                 f"torch.distributed has {dist.get_world_size()} processes but the layout expects {dims.world_size}"
             )
-        self.tp_rank, self.dp_rank, self.pp_rank = dims.coords(self.rank)
+        self.tp_rank, self.cp_rank, self.dp_rank, self.pp_rank = dims.rank_coords(self.rank)
         self.groups = build_rank_groups(dims)
         kw = {} if timeout is None else {"timeout": timeout}
         # new_group is collective: every process creates every group, in the same order,
@@ -136,18 +193,23 @@ class Topology:
                 handles[(kind, tuple(ranks))] = dist.new_group(ranks, **kw)
         self._handles = handles
         self.tp_ranks = _group_containing(self.groups.tp, self.rank)
+        self.cp_ranks = _group_containing(self.groups.cp, self.rank)
         self.pp_ranks = _group_containing(self.groups.pp, self.rank)
         self.dp_ranks = _group_containing(self.groups.dp, self.rank)
+        self.dp_cp_ranks = _group_containing(self.groups.dp_cp, self.rank)
         self.mp_ranks = _group_containing(self.groups.mp, self.rank)
         # Middle pipeline stages hold no word embedding: they are in no embedding group.
         self.embedding_ranks = next((g for g in self.groups.embedding if self.rank in g), [])
         self.tp_group = handles[("tp", tuple(self.tp_ranks))]
         self.pp_group = handles[("pp", tuple(self.pp_ranks))]
         self.dp_group = handles[("dp", tuple(self.dp_ranks))]
+        self.cp_group = handles.get(("cp", tuple(self.cp_ranks)))
+        self.dp_cp_group = handles.get(("dp_cp", tuple(self.dp_cp_ranks)), self.dp_group)
         self.mp_group = handles[("mp", tuple(self.mp_ranks))]
         self.embedding_group = handles.get(("embedding", tuple(self.embedding_ranks)))
 
     tp_size = property(lambda self: self.dims.tp_size)
+    cp_size = property(lambda self: self.dims.cp_size)
     pp_size = property(lambda self: self.dims.pp_size)
     dp_size = property(lambda self: self.dims.dp_size)
     is_first_stage = property(lambda self: self.pp_rank == 0)
@@ -180,14 +242,18 @@ class Topology:
         return self.is_first_stage or self.is_last_stage
 
     def named_groups(self) -> dict:
-        """This rank's groups by name (what communication accounting reports bytes under)."""
-        return {"tp": self.tp_group, "pp": self.pp_group, "dp": self.dp_group, "mp": self.mp_group,
-                "embedding": self.embedding_group}
+        """This rank's groups by name (what communication accounting reports bytes under); CP's only when CP > 1."""
+        groups = {"tp": self.tp_group, "pp": self.pp_group, "dp": self.dp_group, "mp": self.mp_group,
+                  "embedding": self.embedding_group}
+        if self.cp_group is not None:
+            groups.update(cp=self.cp_group, dp_cp=self.dp_cp_group)
+        return groups
 
     def __repr__(self) -> str:
         d = self.dims
+        cp = f", cp={self.cp_rank}/{d.cp_size}" if d.cp_size > 1 else ""
         return (
-            f"Topology(rank={self.rank}, tp={self.tp_rank}/{d.tp_size}, dp={self.dp_rank}/{d.dp_size}, "
+            f"Topology(rank={self.rank}, tp={self.tp_rank}/{d.tp_size}{cp}, dp={self.dp_rank}/{d.dp_size}, "
             f"pp={self.pp_rank}/{d.pp_size})"
         )
 
@@ -195,8 +261,9 @@ class Topology:
 class DeepSpeedMPU:
     """The ``mpu`` DeepSpeed expects, over a Topology.
 
-    DeepSpeed's "model parallel" is everything that is not data parallel (TP x PP): it reduces
-    gradients over ``get_data_parallel_group`` and the grad norm over ``get_model_parallel_group``.
+    DeepSpeed's "model parallel" is everything that holds different parameters (TP x PP): it reduces gradients
+    over ``get_data_parallel_group`` (DP x CP: every rank that saw other tokens of the step; DP while CP is 1) and
+    the grad norm over ``get_model_parallel_group``.
     """
 
     def __init__(self, topology: Topology):
@@ -221,13 +288,13 @@ class DeepSpeedMPU:
         return self.topology.tp_rank
 
     def get_data_parallel_group(self):
-        return self.topology.dp_group
+        return self.topology.dp_cp_group
 
     def get_data_parallel_world_size(self) -> int:
-        return self.topology.dp_size
+        return self.topology.dims.dp_cp_size
 
     def get_data_parallel_rank(self) -> int:
-        return self.topology.dp_rank
+        return self.topology.dp_cp_ranks.index(self.topology.rank)
 
     def get_pipeline_model_parallel_group(self):
         return self.topology.pp_group
@@ -249,8 +316,9 @@ class DeepSpeedMPU:
 
 def describe(dims: ParallelDims, gpus_per_node: int) -> str:
     groups = build_rank_groups(dims)
+    cp = f" x CP {dims.cp_size}" if dims.cp_size > 1 else ""
     lines = [
-        f"world {dims.world_size} = TP {dims.tp_size} x DP {dims.dp_size} x PP {dims.pp_size}, "
+        f"world {dims.world_size} = TP {dims.tp_size}{cp} x DP {dims.dp_size} x PP {dims.pp_size}, "
         f"{gpus_per_node} GPUs per node"
     ]
     for kind, all_groups in groups.as_dict().items():

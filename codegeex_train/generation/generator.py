@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from codegeex_train.checkpoint.files import CheckpointError, load_model_checkpoint, read_checkpoint_meta
-from codegeex_train.config.model import ModelConfig
+from codegeex_train.config.model_config import ModelConfig
 from codegeex_train.data.tokenizer import Tokenizer, WhitespaceEncodingTokenizer, check_tokenizer_fits_vocab
 from codegeex_train.generation.infill import FimFormat
 from codegeex_train.generation.sampling import SamplingParams, sample_next_tokens

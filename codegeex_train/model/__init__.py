@@ -3,7 +3,7 @@ summary. Reading, writing and converting its weights is ``codegeex_train.checkpo
 
 May import: ``config`` (its ``ModelConfig``) and ``tensor_parallel``."""
 
-from codegeex_train.config.model import ModelConfig, ModelConfigError
+from codegeex_train.config.model_config import ModelConfig, ModelConfigError
 from codegeex_train.model.codegeex import CodeGeeXModel
 from codegeex_train.model.flops import model_flops_per_iteration
 from codegeex_train.model.summary import count_parameters, model_summary

@@ -27,11 +27,13 @@ without it. Decoding with a KV cache never splits the sequence: build the model 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from codegeex_train.config.model import ModelConfig
+from codegeex_train.config.model_config import ModelConfig
+from codegeex_train.config.plan import ParallelPlan
 from codegeex_train.config.recompute import Recompute
 from codegeex_train.model.attention import KVCache, document_attention_mask
 from codegeex_train.model.embedding import ReplicatedEmbedding, parallel_lm_logits, word_embeddings
@@ -44,6 +46,9 @@ from codegeex_train.model.transformer import (
 )
 from codegeex_train.tensor_parallel import RNGStatesTracker, checkpoint, vocab_parallel_cross_entropy
 from codegeex_train.tensor_parallel.mappings import ProcessGroup, group_rank, group_size
+
+if TYPE_CHECKING:
+    from codegeex_train.distributed.topology import Topology
 
 
 class CodeGeeXModel(nn.Module):
@@ -97,6 +102,16 @@ class CodeGeeXModel(nn.Module):
         # Per chunk (each its own model in Megatron): its layer index -> the recompute unit holding it
         self._unit_of = [{i: unit for unit in recompute.full_units(len(c)) for i in unit} for c in self.chunk_layers]
         self._recompute_top_query = recompute.covers_top_query_layer(len(self.chunk_layers[-1]))
+
+    @classmethod
+    def for_rank(cls, config: ModelConfig, plan: ParallelPlan, topology: Topology,
+                 rng_tracker: RNGStatesTracker | None, *, seed: int = 1234,
+                 device: torch.device | str | None = None) -> "CodeGeeXModel":
+        """This rank's part of the model as ``plan`` lays it out: its TP shard, its pipeline stage's model chunks,
+        the plan's sequence parallelism and recompute choice."""
+        return cls(config, topology.tp_group, rng_tracker, seed=seed, pre_process=topology.is_first_stage,
+                   post_process=topology.is_last_stage, chunk_layers=plan.rank_chunks(topology.pp_rank),
+                   sequence_parallel=plan.sequence_parallel, recompute=plan.recompute, device=device)
 
     @property
     def num_chunks(self) -> int:

@@ -18,7 +18,7 @@ activation recomputation runs the layers' forward once more (the logits are not 
 
 from __future__ import annotations
 
-from codegeex_train.config.model import ModelConfig
+from codegeex_train.config.model_config import ModelConfig
 
 
 def layer_forward_flops(batch_size: int, seq_length: int, hidden: int, ffn: int) -> int:

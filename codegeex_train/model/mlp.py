@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from codegeex_train.config.model import ModelConfig
+from codegeex_train.config.model_config import ModelConfig
 from codegeex_train.config.recompute import Recompute
 from codegeex_train.model.init import ParamInit
 from codegeex_train.tensor_parallel import ColumnParallelLinear, RowParallelLinear, recompute_in_backward

@@ -6,7 +6,7 @@ from collections import defaultdict
 
 from torch import nn
 
-from codegeex_train.config.model import ModelConfig
+from codegeex_train.config.model_config import ModelConfig
 
 
 def _layer_parameters(h: int, ffn: int) -> int:

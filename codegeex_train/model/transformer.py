@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from codegeex_train.config.model import ModelConfig
+from codegeex_train.config.model_config import ModelConfig
 from codegeex_train.config.recompute import Recompute
 from codegeex_train.model.attention import KVCacheSlot, ParallelSelfAttention, TopQueryAttention
 from codegeex_train.model.init import ParamInit

@@ -2,7 +2,7 @@
 
 TP rank r of a stage talks to TP rank r of the neighbour stage (same DP rank): ``topology.next_rank`` /
 ``prev_rank``. Every transfer has the shape (micro-batch, sequence, hidden) in the compute dtype, known
-on both sides from the flags, so no shapes are exchanged. Each call posts its sends and receives as one
+on both sides from the run's plan, so no shapes are exchanged. Each call posts its sends and receives as one
 ``batch_isend_irecv`` and waits for them: on NCCL the batch is one fused group (two stages sending to
 each other at once cannot deadlock), on gloo the ops run as async pairs.
 
@@ -21,9 +21,13 @@ can never be matched with each other.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:  # a name for the signature only: the plan lives in config, above this layer
+    from codegeex_train.config.plan import ParallelPlan
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,12 @@ class P2PCommunicator:
         return cls(topology.prev_rank if ring or not topology.is_first_stage else None,
                    topology.next_rank if ring or not topology.is_last_stage else None, shape, dtype, device, log,
                    topology.pp_group)
+
+    @classmethod
+    def for_plan(cls, topology, plan: ParallelPlan, device, log=None) -> "P2PCommunicator":
+        """``for_topology`` with the plan's activation shape and dtype (``plan.p2p_shape``, ``plan.p2p_dtype``: (b, s,
+        h), s/tp under sequence parallelism) and its model chunks."""
+        return cls.for_topology(topology, plan.p2p_shape, plan.p2p_dtype, device, log, num_chunks=plan.num_chunks)
 
     def _exchange(self, sends: list[tuple[torch.Tensor, int]], recv_from: int | None) -> torch.Tensor | None:
         ops = [dist.P2POp(dist.isend, t.contiguous(), peer, self.group) for t, peer in sends]

@@ -26,7 +26,7 @@ from codegeex_train.tensor_parallel.mappings import (
     scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from codegeex_train.tensor_parallel.recompute import recompute_in_backward
+from codegeex_train.tensor_parallel.selective_recompute import recompute_in_backward
 from codegeex_train.tensor_parallel.random import MODEL_PARALLEL_RNG, RNGStatesTracker, checkpoint, model_parallel_seed
 
 __all__ = [

@@ -11,6 +11,7 @@
 ``fault_injection.py``  tests only: bad numbers at chosen iterations (reached through ``Run.step_context``)
 ==================  ======================================================================================
 
-May import: ``checkpoint``, ``accounting``, ``metrics``, ``model``, ``config``, ``pipeline`` and below; never
-``evaluation`` or ``generation`` (pretrain.py hands the loop its evaluation as a callback).
+May import: ``checkpoint``, ``metrics``, ``model``, ``config``, ``pipeline`` and below; never ``evaluation`` or
+``generation`` (pretrain.py hands the loop its evaluation as a callback), never ``accounting`` (pretrain.py hands
+it what to measure with: ``trainer.Measurement``; the loop gives the measured figures back after each step).
 """

@@ -3,7 +3,7 @@
 Written once, for pretraining and the benchmarks: ``deepspeed.initialize`` gets a torch AdamW instance (no
 JIT-built optimizer op), our LR schedule, and the ``mpu`` that hands ZeRO the DP and model-parallel groups
 (``distributed/topology.py``) when the model is tensor- or pipeline-parallel. Its checkpoint engine is replaced by
-``checkpoint/training.py``'s ``SafeCheckpointEngine``: every file DeepSpeed loads is unpickled weights-only, and a
+``checkpoint/deepspeed_checkpoint.py``'s ``SafeCheckpointEngine``: every file DeepSpeed loads is unpickled weights-only, and a
 failed write is reported by ``save_checkpoint`` instead of raised out of the middle of DeepSpeed's save.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from codegeex_train.checkpoint.training import install_checkpoint_engine
+from codegeex_train.checkpoint.deepspeed_checkpoint import install_checkpoint_engine
 from codegeex_train.config.arguments import OptimConfig
 from codegeex_train.distributed.topology import DeepSpeedMPU, Topology
 from codegeex_train.training.optim import LRSchedule, build_optimizer

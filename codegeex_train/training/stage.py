@@ -31,7 +31,7 @@ from typing import Iterator
 
 import torch
 
-from codegeex_train.training.data import DocumentMasking, get_batch, position_ids
+from codegeex_train.training.batches import DocumentMasking, get_batch, position_ids
 
 
 def masked_mean(loss_per_token: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:

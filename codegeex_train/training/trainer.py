@@ -4,25 +4,22 @@ clip, step, LR) -> metrics, eval and checkpoints. PP = 1 runs the same loop with
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Iterator
+from typing import Callable, ContextManager, Iterator, Protocol
 
 import torch
 import torch.distributed as dist
 
-from codegeex_train.accounting import CommCounter, Workload, comm_bytes_per_step, memory_per_rank
-from codegeex_train.accounting.memory import ChunkActivations, SavedActivations, measure_state_memory
-from codegeex_train.accounting.theory import activations_in_flight, microbatches_in_flight
-from codegeex_train.checkpoint.files import CheckpointError, checkpoint_tag, read_latest, tokenizer_settings
+from codegeex_train.checkpoint.files import CheckpointError, checkpoint_tag, read_latest
 from codegeex_train.checkpoint.train_state import TrainState
-from codegeex_train.checkpoint.training import save_checkpoint
-from codegeex_train.config.arguments import Args
-from codegeex_train.distributed.layout import Layout
+from codegeex_train.checkpoint.deepspeed_checkpoint import save_checkpoint
+from codegeex_train.config.arguments import LoggingConfig, TrainConfig
+from codegeex_train.config.model_config import ModelConfig
+from codegeex_train.config.plan import ParallelPlan
 from codegeex_train.distributed.topology import Topology
 from codegeex_train.metrics import memory_gb, redact_secrets, throughput_record
 from codegeex_train.pipeline import (
@@ -33,7 +30,7 @@ from codegeex_train.pipeline import (
     with_p2p_ops,
 )
 from codegeex_train.tensor_parallel import RNGStatesTracker
-from codegeex_train.training.data import DocumentMasking
+from codegeex_train.training.batches import DocumentMasking
 from codegeex_train.training.exit_conditions import (
     ExitConditions,
     NumericalHealth,
@@ -44,12 +41,56 @@ from codegeex_train.training.exit_conditions import (
 from codegeex_train.training.stage import ChunkedEngineStage, EngineStage
 
 
+class StepProbe(Protocol):
+    """What measures one training step from inside it (accounting.memory.StepMemory); the loop calls its three
+    points and, after the step, logs ``record(iteration)``."""
+
+    def first_forward(self) -> ContextManager | None: ...  # wraps micro-batch 0's forward
+    def schedule(self) -> ContextManager: ...  # wraps the step's schedule
+    def at_boundary(self, engine) -> None: ...  # after the last backward, before the optimizer step
+    def record(self, iteration: int) -> dict: ...
+
+
+class CommCount(Protocol):
+    """Bytes moved by group while training (accounting.CommCounter): a context manager; ``take()`` -> bytes by
+    group name since the last take."""
+
+    def __enter__(self) -> "CommCount": ...
+    def __exit__(self, *exc) -> None: ...
+    def take(self) -> dict[str, int]: ...
+
+
+class _NoCount:
+    def __enter__(self) -> "_NoCount":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def take(self) -> dict[str, int]:
+        return {}
+
+
+@dataclass
+class Measurement:
+    """What pretrain.py hands the loop to measure with (accounting's; the loop imports no accounting): ``comm``
+    counts the bytes of the training steps, ``comm_theory`` is their prediction per step by group (logged beside),
+    ``memory`` makes the probe of the step that measures memory (the run's second)."""
+
+    comm: CommCount | None = None
+    comm_theory: dict[str, int] | None = None
+    memory: Callable[[], StepProbe] | None = None
+
+
 @dataclass
 class Run:
-    """Everything the loop touches, built once by pretrain.py."""
+    """Everything the loop touches, built once by pretrain.py: the plan, the typed sections it reads, the built
+    parts and what is plugged in (evaluation, measurement) as callbacks."""
 
-    args: Args
-    layout: Layout
+    plan: ParallelPlan
+    model: ModelConfig  # the model's shape with the tokenizer's vocabulary (saved with every checkpoint)
+    train: TrainConfig  # iterations, intervals, saving, exit and numerical-health settings
+    logging: LoggingConfig
     topology: Topology
     engine: object  # deepspeed.DeepSpeedEngine
     tracker: RNGStatesTracker
@@ -57,9 +98,10 @@ class Run:
     logger: object  # MetricsLogger
     flops_per_iteration: float
     peak_flops_per_device: float | None = None  # for MFU; None on CPU
-    p2p: P2PCommunicator | None = None  # None: built from the topology and the activation shape
+    tokenizer_settings: dict | None = None  # what checkpoints record of the tokenizer (checkpoint.files)
+    p2p: P2PCommunicator | None = None  # None: built from the topology and the plan's activation shape
     exit_conditions: ExitConditions | None = None  # SIGTERM / wall-clock stops; None: never
-    workload: Workload | None = None  # shapes and layout, for the predicted bytes and memory (accounting.theory)
+    measurement: Measurement | None = None  # None: nothing counted or measured
     # --eval-humaneval-interval: iteration -> the record's metrics (or None: nothing to log on this rank), handed
     # over by pretrain.py so that the loop imports no evaluation or generation.
     evaluate_humaneval: Callable[[int], dict | None] | None = None
@@ -68,19 +110,11 @@ class Run:
     # Tests only (training/fault_injection.py): iteration -> a context the step runs in. None costs nothing.
     step_context: Callable[[int], ContextManager] | None = None
 
-    @functools.cached_property
-    def comm_theory(self) -> dict | None:
-        return None if self.workload is None else comm_bytes_per_step(self.workload, self.topology.pp_rank)
-
     def __post_init__(self) -> None:
         if self.p2p is None:
-            t = self.args.train
-            # (b, s, h); under sequence parallelism each TP rank sends its own (b, s/tp, h)
-            seq = t.seq_length // self.topology.tp_size if self.args.parallel.sequence_parallel else t.seq_length
-            shape = (self.layout.micro_batch_size, seq, self.args.model.hidden_size)
-            dtype = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
-            self.p2p = P2PCommunicator.for_topology(self.topology, shape, dtype, self.device,
-                                                    num_chunks=self.layout.num_chunks)
+            self.p2p = P2PCommunicator.for_plan(self.topology, self.plan, self.device)
+        if self.measurement is None:
+            self.measurement = Measurement()
 
     @property
     def reads_data(self) -> bool:
@@ -90,54 +124,46 @@ class Run:
         return self.topology.is_first_stage or self.topology.is_last_stage or masked
 
     def stage(self, batches: Iterator[dict] | None, first_forward_context=None) -> EngineStage:
-        v = self.layout.num_chunks
+        plan = self.plan
+        v = plan.num_chunks
         return (ChunkedEngineStage if v > 1 else EngineStage)(
             self.engine, batches, is_first=self.topology.is_first_stage, is_last=self.topology.is_last_stage,
-            micro_batch_size=self.layout.micro_batch_size, seq_length=self.args.train.seq_length, device=self.device,
-            num_microbatches=self.layout.num_microbatches, first_forward_context=first_forward_context, num_chunks=v,
+            micro_batch_size=plan.micro_batch_size, seq_length=plan.seq_length, device=self.device,
+            num_microbatches=plan.num_microbatches, first_forward_context=first_forward_context, num_chunks=v,
             masking=self.masking)
 
     def schedule(self, *, train: bool = True, num_microbatches: int | None = None):
         """This rank's ops for one training step (1F1B, interleaved when v > 1) or a forward-only pass."""
-        topo, v = self.topology, self.layout.num_chunks
-        m = num_microbatches or self.layout.num_microbatches
+        topo, v = self.topology, self.plan.num_chunks
+        m = num_microbatches or self.plan.num_microbatches
         steps = interleaved_one_f_one_b(topo.pp_size, topo.pp_rank, m, v)
         if not train:  # the same (micro-batch, chunk) order, forwards only
             steps = [s for s in steps if s.kind == "F"]
         return with_p2p_ops(steps, topo.is_first_stage, topo.is_last_stage, v)
 
 
-def train_step(run: Run, batches: Iterator[dict] | None, memory: dict | None = None) -> torch.Tensor:
+def train_step(run: Run, batches: Iterator[dict] | None, probe: StepProbe | None = None) -> torch.Tensor:
     """One optimizer step: the 1F1B schedule over ``num_microbatches`` micro-batches (plain accumulation when
     PP = 1), the tied embedding's gradients summed, then DeepSpeed's step. Returns the last stage's mean loss
-    (on device, no host sync; zero on other stages). With ``memory`` (a dict) the step also measures this
-    rank's memory by part into it (accounting.memory)."""
-    topo, v = run.topology, run.layout.num_chunks
-    # What autograd saves: micro-batch 0's forward; interleaved (v chunks), each chunk's first forward.
-    saved = SavedActivations(run.engine.module) if memory is not None and v == 1 else None
-    chunks = ChunkActivations(run.engine.module) if memory is not None and v > 1 else None
-    stage = run.stage(batches, saved)
-    with chunks or contextlib.nullcontext():
+    (on device, no host sync; zero on other stages). With ``probe`` the step is measured at its three points."""
+    stage = run.stage(batches, probe.first_forward() if probe is not None else None)
+    with probe.schedule() if probe is not None else contextlib.nullcontext():
         run_schedule(run.schedule(), stage, run.p2p)
-    allreduce_shared_embedding_grads(run.engine.module, topo)
-    if memory is not None:  # the boundary: full gradient partition, optimizer state (from the 2nd step on)
-        if chunks is None:
-            in_flight = microbatches_in_flight(run.workload, topo.pp_rank) if run.workload else 1
-            activations = saved.bytes * in_flight
-        else:  # the schedule's peak over the (micro-batch, chunk) pairs held, each chunk as measured
-            activations = activations_in_flight(chunks.per_chunk(v), topo.pp_size, topo.pp_rank,
-                                                run.layout.num_microbatches)
-        memory.update(measure_state_memory(run.engine), activations=activations)
+    allreduce_shared_embedding_grads(run.engine.module, run.topology)
+    if probe is not None:
+        probe.at_boundary(run.engine)
     run.engine.step()  # the boundary: clip, optimizer step, LR schedule
     return stage.mean_loss()
 
 
 def dp_mean(value: torch.Tensor, topology: Topology) -> float:
-    """Average over data-parallel ranks (a collective and a host sync: only when logging)."""
+    """Average over the ranks that saw different tokens, DP x CP (a collective and a host sync: only when
+    logging)."""
     value = value.detach().float().clone()
-    if topology.dp_size > 1:
-        dist.all_reduce(value, group=topology.dp_group)
-    return value.item() / topology.dp_size
+    size = topology.dims.dp_cp_size
+    if size > 1:
+        dist.all_reduce(value, group=topology.dp_cp_group)
+    return value.item() / size
 
 
 @torch.no_grad()
@@ -146,7 +172,7 @@ def evaluate(run: Run, data_loader) -> float:
     evaluations are comparable."""
     run.engine.eval()
     stage = run.stage(iter(data_loader) if run.reads_data else None)
-    run_schedule(run.schedule(train=False, num_microbatches=run.args.train.eval_iters * run.layout.num_microbatches),
+    run_schedule(run.schedule(train=False, num_microbatches=run.train.eval_iters * run.plan.num_microbatches),
                  stage, run.p2p)
     run.engine.train()
     return dp_mean(stage.mean_loss(), run.topology)
@@ -168,50 +194,38 @@ def comm_record(measured: dict[str, int], iterations: int, theory: dict | None) 
     return record
 
 
-def memory_record(run: Run, iteration: int, measured: dict[str, int]) -> dict:
-    """``split: memory``: this rank's bytes by part, measured (accounting.memory) and predicted, and peak memory."""
-    record = {"iteration": iteration, "split": "memory", **{f"memory_{k}_bytes": v for k, v in measured.items()},
-              "memory_total_bytes": sum(measured.values())}
-    if run.workload is not None:
-        theory = memory_per_rank(run.workload, run.topology.pp_rank).as_dict()
-        record.update({f"memory_{k}_bytes_theory": v for k, v in theory.items()})
-        # what the activations depend on: --sequence-parallel and --recompute-* (recompute: rebuilt in backward)
-        record.update(sequence_parallel=run.workload.sp, recompute=run.workload.recompute.describe())
-    return {**record, "memory_gb": memory_gb(run.device)}
-
-
 def _train_record(run: Run, state: TrainState, loss: torch.Tensor, seconds_per_iteration: float,
                   skipped_iterations: int = 0, comm_bytes: dict | None = None, comm_iterations: int = 0) -> dict:
-    engine, layout = run.engine, run.layout
+    engine, plan = run.engine, run.plan
     grad_norm = engine.get_global_grad_norm()
     optimizer = engine.optimizer
     return {
         "iteration": state.iteration,
         "consumed_samples": state.consumed_train_samples,
-        "global_batch_size": layout.global_batch_size,
+        "global_batch_size": plan.global_batch_size,
         "lr": engine.get_lr()[0],
         "loss": dp_mean(loss, run.topology),
         "grad_norm": float(grad_norm) if grad_norm is not None else None,
         "loss_scale": float(getattr(optimizer, "cur_scale", getattr(optimizer, "loss_scale", 1.0))),
         "skipped_iterations": skipped_iterations,  # steps DeepSpeed skipped (fp16 overflow) in this log interval
-        **throughput_record(seconds_per_iteration, layout.global_batch_size * run.args.train.seq_length,
-                            run.flops_per_iteration, layout.dims.world_size, run.peak_flops_per_device),
+        **throughput_record(seconds_per_iteration, plan.tokens_per_step, run.flops_per_iteration, plan.world_size,
+                            run.peak_flops_per_device),
         "memory_gb": memory_gb(run.device),
-        **comm_record(comm_bytes or {}, comm_iterations, run.comm_theory),
+        **comm_record(comm_bytes or {}, comm_iterations, run.measurement.comm_theory),
     }
 
 
 def _numerical_health(run: Run) -> NumericalHealth:
-    t = run.args.train
+    t = run.train
     # fp16: a non-finite gradient norm is an overflow, which DeepSpeed skips (counted, limited), not an error.
-    return NumericalHealth(every_iteration=t.check_for_nan_in_loss_and_grad, check_grad_norm=not t.fp16,
+    return NumericalHealth(every_iteration=t.check_for_nan_in_loss_and_grad, check_grad_norm=run.plan.dtype != "fp16",
                            max_consecutive_skipped=t.max_consecutive_skipped_iterations,
                            skipped_steps=getattr(run.engine, "skipped_steps", 0), device=run.device)
 
 
 def _health_error(run: Run, iteration: int, problem: str) -> NumericalHealthError:
     """The one message (printed by rank 0) naming the iteration and the last good checkpoint."""
-    t = run.args.train
+    t = run.train
     if not t.save:
         last_good = "none (no --save)"
     elif not os.path.lexists(os.path.join(t.save, "latest")):
@@ -229,12 +243,12 @@ def _health_error(run: Run, iteration: int, problem: str) -> NumericalHealthErro
 
 
 def _checked_train_step(run: Run, batches, health: NumericalHealth, iteration: int,
-                        memory: dict | None = None) -> torch.Tensor:
+                        probe: StepProbe | None = None) -> torch.Tensor:
     """``train_step``, with DeepSpeed's own give-up (fp16 loss scale at its minimum, raised on every rank alike)
     turned into the same clear error."""
     try:
         with run.step_context(iteration) if run.step_context else contextlib.nullcontext():
-            return train_step(run, batches, memory)
+            return train_step(run, batches, probe)
     except Exception as error:
         if "loss scale already at minimum" not in str(error):
             raise
@@ -244,12 +258,12 @@ def _checked_train_step(run: Run, batches, health: NumericalHealth, iteration: i
 
 
 def train(run: Run, state: TrainState, train_loader, valid_loader=None, test_loader=None) -> TrainState:
-    with CommCounter(run.topology.named_groups()) as comm:
+    with run.measurement.comm or _NoCount() as comm:
         return _train(run, state, train_loader, valid_loader, test_loader, comm)
 
 
-def _train(run: Run, state: TrainState, train_loader, valid_loader, test_loader, comm: CommCounter) -> TrainState:
-    t, log_interval = run.args.train, run.args.logging.log_interval
+def _train(run: Run, state: TrainState, train_loader, valid_loader, test_loader, comm: CommCount) -> TrainState:
+    t, log_interval = run.train, run.logging.log_interval
     batches = iter(train_loader) if run.reads_data else None
     start_iteration = state.iteration
     step_seconds, interval_iters = 0.0, 0  # time in training steps only, not eval or saving
@@ -265,15 +279,16 @@ def _train(run: Run, state: TrainState, train_loader, valid_loader, test_loader,
     while state.iteration < t.train_iters:
         comm.take()  # drop what eval, logging and the exit checks moved: only training steps are accounted
         step_start = time.perf_counter()
-        memory = {} if state.iteration + 1 == memory_iteration else None
-        loss = _checked_train_step(run, batches, health, state.iteration + 1, memory)
-        if memory:
-            run.logger.log(memory_record(run, state.iteration + 1, memory))
+        measure = run.measurement.memory if state.iteration + 1 == memory_iteration else None
+        probe = measure() if measure is not None else None
+        loss = _checked_train_step(run, batches, health, state.iteration + 1, probe)
+        if probe is not None:  # the measured figures go to accounting, after the step
+            run.logger.log(probe.record(state.iteration + 1))
         for group, n in comm.take().items():
             step_comm[group] = step_comm.get(group, 0) + n
         loss_sum += loss
         state.iteration += 1
-        state.consumed_train_samples += run.layout.global_batch_size
+        state.consumed_train_samples += run.plan.global_batch_size
         interval_iters += 1
         run.logger.advance(state.iteration)
         health.observe(state.iteration, loss, run.engine.get_global_grad_norm(),
@@ -318,8 +333,8 @@ def _train(run: Run, state: TrainState, train_loader, valid_loader, test_loader,
         saving = t.save and (last or (t.save_interval and state.iteration % t.save_interval == 0))
         if saving:
             state.wandb_run_id = run.logger.wandb_run_id
-            save_checkpoint(run.engine, t.save, state, run.args.model, run.topology, run.tracker,
-                            tokenizer=tokenizer_settings(run.args.data), num_chunks=run.layout.num_chunks)
+            save_checkpoint(run.engine, t.save, state, run.model, run.topology, run.tracker,
+                            tokenizer=run.tokenizer_settings, num_chunks=run.plan.num_chunks)
         if stop_reason is not None and run.topology.rank == 0:
             if t.save and exits.stopped_by_signal:  # after `latest` (save_checkpoint), before any print
                 write_preempted_marker(t.save, checkpoint_tag(state.iteration))

@@ -17,9 +17,9 @@ from codegeex_train.accounting.theory import (
     microbatches_in_flight,
     tp_bytes_per_microbatch,
 )
-from codegeex_train.config.model import ModelConfig
+from codegeex_train.config.model_config import ModelConfig
 from codegeex_train.config.recompute import Recompute
-from codegeex_train.distributed.layout import Layout
+from codegeex_train.config.plan import ParallelPlan
 from codegeex_train.distributed.topology import ParallelDims
 from codegeex_train.model.codegeex import CodeGeeXModel
 from codegeex_train.pipeline import interleaved_one_f_one_b, run_schedule, with_p2p_ops
@@ -35,13 +35,14 @@ def _config(layers, dropout=0.1):
 
 
 def _workload(layers, tp=1, pp=2, v=2, m=4, **kw):
-    return Workload(_config(layers), S, Layout(ParallelDims(tp * pp, tp, pp), B, m, num_chunks=v), device="cpu", **kw)
+    plan = ParallelPlan(ParallelDims(tp * pp, tp, pp), B, m, num_chunks=v, seq_length=S, **kw)
+    return Workload(_config(layers), plan, device="cpu")
 
 
 def test_the_workload_splits_the_layers_into_chunks_as_training_does():
     w = _workload(8, pp=2, v=2)
-    assert w.layout.chunk_layers == tuple(rank_chunk_layers(8, 2, 2))
-    assert w.layout.stage_layers == ((0, 1, 4, 5), (2, 3, 6, 7)) and w.chunk_sizes(1) == [2, 2]
+    assert w.plan.chunk_layers == tuple(rank_chunk_layers(8, 2, 2))
+    assert w.plan.stage_layers == ((0, 1, 4, 5), (2, 3, 6, 7)) and w.chunk_sizes(1) == [2, 2]
     assert [w.first_chunk(0, c) for c in (0, 1)] == [True, False]
     assert [w.last_chunk(1, c) for c in (0, 1)] == [False, True]
     with pytest.raises(ValueError, match="not divisible"):
@@ -83,7 +84,7 @@ def test_activations_in_flight_replay_the_executor(pp, v, m):
 
 
 def test_one_chunk_keeps_1f1b():
-    w = Workload(_config(4), S, Layout(ParallelDims(4, 1, 4), B, 3), device="cpu")
+    w = Workload(_config(4), ParallelPlan(ParallelDims(4, 1, 4), B, 3, seq_length=S), device="cpu")
     for r in range(4):
         held = activation_bytes_per_microbatch(w, r) * min(4 - r, 3)
         assert microbatches_in_flight(w, r) == min(4 - r, 3) and memory_per_rank(w, r).activations == held
@@ -108,7 +109,7 @@ def test_each_chunk_saves_what_theory_says():
     through the four virtual stages: ChunkActivations measures each chunk's forward, equal to theory (to the byte
     with torch 2.13 on CPU)."""
     config, pp, v = _config(8), 2, 2
-    w = Workload(config, S, Layout(ParallelDims(pp, 1, pp), B, pp, num_chunks=v), device="cpu")
+    w = Workload(config, ParallelPlan(ParallelDims(pp, 1, pp), B, pp, num_chunks=v, seq_length=S), device="cpu")
     chunks = rank_chunk_layers(8, pp, v)
     models = [CodeGeeXModel(config, None, None, seed=5, pre_process=r == 0, post_process=r == pp - 1,
                             chunk_layers=chunks[r]).train() for r in range(pp)]

@@ -2,6 +2,8 @@
 exactly the layouts training would accept, it ranks by its estimate, and its CLI prints a table or one error line.
 No process group: TP > 1 models are built on the meta device with the group size faked."""
 
+from dataclasses import replace
+
 import pytest
 import torch.distributed as dist
 
@@ -15,9 +17,9 @@ from codegeex_train.accounting.planner import (
 )
 from codegeex_train.accounting.theory import Workload, stage_parameters
 from codegeex_train.config.arguments import parse_args, validate
-from codegeex_train.config.model import ModelConfig
+from codegeex_train.config.model_config import ModelConfig
 from codegeex_train.config.recompute import Recompute
-from codegeex_train.distributed.layout import Layout
+from codegeex_train.config.plan import ParallelPlan
 from codegeex_train.distributed.topology import ParallelDims
 from codegeex_train.model.codegeex import CodeGeeXModel
 from codegeex_train.model.flops import model_flops_per_iteration
@@ -28,13 +30,18 @@ TINY = dict(num_layers=5, hidden_size=64, num_attention_heads=4, max_position_em
 
 def _sizes(row):
     """(TP, PP, DP, micro-batch) of a planner row."""
-    d = row.layout.dims
-    return d.tp_size, d.pp_size, d.dp_size, row.layout.micro_batch_size
+    d = row.plan.dims
+    return d.tp_size, d.pp_size, d.dp_size, row.plan.micro_batch_size
 
 
-def _pipeline(pp, stage_layers=()):
+def _layout(row):
+    """A row's layout: its plan without the options (sequence parallelism, recompute) that tell rows apart."""
+    return replace(row.plan, sequence_parallel=False, recompute=Recompute())
+
+
+def _pipeline(pp, stage_layers=(), seq_length=16):
     """A layout of one DP rank over ``pp`` stages, one micro-batch of one sample."""
-    return Layout(ParallelDims(pp, pp_size=pp), 1, 1, stage_layers)
+    return ParallelPlan(ParallelDims(pp, pp_size=pp), 1, 1, stage_layers, seq_length=seq_length)
 
 
 def _stage_numel(config, tp, pp_rank, layers, monkeypatch):
@@ -55,7 +62,7 @@ def test_parameter_counts_are_the_models(tp, pp, monkeypatch):
     row = estimate_layout(config, Cluster(world_size=tp * pp), seq_length=16, global_batch_size=4, tp=tp, pp=pp,
                           micro_batch_size=1)
     assert sum(row.layer_counts) == 5 and len(row.layer_counts) == pp
-    w = Workload(model=config, seq_length=16, layout=row.layout)
+    w = Workload(model=config, plan=row.plan)
     counts = []
     for i in range(pp):
         # the split the planner chose, as training's --decoder-first/last-pipeline-num-layers would make it
@@ -75,22 +82,22 @@ def test_uneven_splits_are_ones_training_accepts():
     for pp in (2, 3, 4, 6):
         row = estimate_layout(model, cluster, tp=8, pp=pp, micro_batch_size=1, recompute=Recompute.full(), **{
             **kw, "global_batch_size": 1536 // pp})
-        assert tuple(stage_layer_ranges(39, pp, *_first_last(row))) == row.layout.stage_layers
+        assert tuple(stage_layer_ranges(39, pp, *_first_last(row))) == row.plan.stage_layers
     # the last stage also runs the top query layer and the logits (~1.8 layers): it gets fewer layers
     assert row.layer_counts[-1] < row.layer_counts[0]
 
 
 def test_workload_refuses_a_split_that_loses_layers():
     config = ModelConfig(**TINY)  # 5 layers
-    even = Workload(config, 16, _pipeline(5))  # even by default, written into the layout
-    assert [even.layers_on(i) for i in range(5)] == [1] * 5 and even.layout.stage_layers[4] == range(4, 5)
-    assert Workload(config, 16, _pipeline(2, (range(0, 3), range(3, 5)))).layers_on(1) == 2
+    even = Workload(config, _pipeline(5))  # even by default, written into the layout
+    assert [even.layers_on(i) for i in range(5)] == [1] * 5 and even.plan.stage_layers[4] == range(4, 5)
+    assert Workload(config, _pipeline(2, (range(0, 3), range(3, 5)))).layers_on(1) == 2
     for pp, stage_layers in ((2, ()),  # 5 layers do not split evenly over 2
                              (2, (range(0, 2), range(2, 4))),  # layer 4 on no stage
                              (2, (range(0, 2), range(3, 6))),  # five layers, but layer 2 on none
                              (3, (range(0, 3), range(3, 5)))):  # two ranges for three stages
         with pytest.raises(ValueError, match="do not split into"):
-            Workload(config, 16, _pipeline(pp, stage_layers))
+            Workload(config, _pipeline(pp, stage_layers))
 
 
 def test_only_layouts_training_accepts_are_listed():
@@ -107,7 +114,7 @@ def test_only_layouts_training_accepts_are_listed():
     assert got == {(*e, sp, rc) for e in expected for sp in ((False, True) if e[0] > 1 else (False,))
                    for rc in ("none", "selective", "full")}
     assert len(rows) == len(got)
-    assert all(r.layout.global_batch_size == 12 for r in rows)
+    assert all(r.plan.global_batch_size == 12 for r in rows)
     given = rank_layouts(model, cluster, seq_length=16, global_batch_size=12, micro_batch_sizes=[3])
     assert {_sizes(r) for r in given} == {(1, 3, 4, 3), (2, 3, 2, 3)}
     # a memory limit between the layouts: the ones above it are listed after the ranked ones, unranked
@@ -121,12 +128,13 @@ def test_only_layouts_training_accepts_are_listed():
 
 def test_codegeex_13b_real_layout():
     model, cluster, kw = from_preset("codegeex-13b")
-    assert 12.8e9 < stage_parameters(Workload(model, 2048, _pipeline(1)), 0) < 13.5e9  # "13 billion parameters"
+    whole = Workload(model, _pipeline(1, seq_length=2048))
+    assert 12.8e9 < stage_parameters(whole, 0) < 13.5e9  # "13 billion parameters"
     rows = rank_layouts(model, cluster, **kw)
     real = {r.options: r for r in rows if _sizes(r) == (8, 1, 192, 16)}  # CodeGeeX: micro 16, batch 3,072
     assert set(real) == {(sp, rc) for sp in (False, True) for rc in ("none", "selective", "full")}
     own = real[False, "full"]  # what CodeGeeX ran: full recompute, no SP
-    assert own.layout.num_microbatches == 1
+    assert own.plan.num_microbatches == 1
     # Without recompute, 40 layers of micro-batch 16 activations (~3.7 GiB each) cannot fit 32 GB;
     # with it the weights (1.6 B/rank, fp16), ZeRO-2's slices over 192 ranks and the kept layer inputs do.
     assert not real[False, "none"].fits and real[False, "none"].memory_gb > 100
@@ -162,14 +170,14 @@ def test_ranked_by_estimated_step_time():
         if r.recompute_name == "selective":
             flops += (model.num_layers + 1) * 4 * kw["global_batch_size"] * kw["seq_length"] ** 2 * model.hidden_size
         assert r.time_parts["compute"] == pytest.approx(flops / (1536 * 256e12 * 0.5))
-        p, v, m = r.layout.dims.pp_size, r.num_chunks, r.layout.num_microbatches
+        p, v, m = r.plan.dims.pp_size, r.num_chunks, r.plan.num_microbatches
         assert r.bubble_fraction == pytest.approx((p - 1) / (v * m))
     # faster links never make a layout slower; slower ones hurt the ones that cross nodes
-    fast = {(r.layout, r.options): r.step_time
+    fast = {(r.plan, r.options): r.step_time
             for r in rank_layouts(model, Cluster(**{**vars(cluster), "inter_node_gbps": 800}), **kw)}
-    assert all(fast[(r.layout, r.options)] <= r.step_time for r in rows)
+    assert all(fast[(r.plan, r.options)] <= r.step_time for r in rows)
     # at the same layout: selective costs less time than full recompute, and SP no less than none
-    by_key = {(r.layout, r.options): r for r in rows}
+    by_key = {(_layout(r), r.options): r for r in rows}
     for (layout, (sp, rc)), r in by_key.items():
         if rc == "selective":
             assert r.time_parts["compute"] < by_key[layout, (sp, "full")].time_parts["compute"]
@@ -208,15 +216,16 @@ def test_interleaving_only_where_megatron_allows_it():
     interleaved = [r for r in rows if r.num_chunks > 1]
     assert {r.num_chunks for r in interleaved} == {2, 4} and all(r.split_flags == [] for r in interleaved)
     for r in rows:
-        p, m, v = r.layout.dims.pp_size, r.layout.num_microbatches, r.num_chunks
+        p, m, v = r.plan.dims.pp_size, r.plan.num_microbatches, r.num_chunks
         assert v in chunk_counts(8, p, m) and r.bubble_fraction == pytest.approx((p - 1) / (v * m))
     for r in interleaved:  # its flags give training exactly its layout
-        d = r.layout.dims
+        d = r.plan.dims
         argv = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
                 "--max-position-embeddings", "32", "--data-path", "x",
                 "--tensor-model-parallel-size", str(d.tp_size), "--pipeline-model-parallel-size", str(d.pp_size),
-                "--micro-batch-size", str(r.layout.micro_batch_size), "--global-batch-size", "16", *r.flags]
-        assert validate(parse_args(argv), 8) == r.layout, r.flags
+                "--micro-batch-size", str(r.plan.micro_batch_size), "--global-batch-size", "16", *r.flags,
+                "--bf16"]  # the planner's 2-byte dtype, which the plan records
+        assert validate(parse_args(argv), 8) == r.plan, r.flags
 
 
 def test_interleaving_trades_bubble_for_bytes_and_memory():
@@ -227,7 +236,7 @@ def test_interleaving_trades_bubble_for_bytes_and_memory():
     kw = dict(seq_length=32, global_batch_size=16, tp=1, pp=2, micro_batch_size=2)
     one = estimate_layout(model, Cluster(world_size=2), stage_layers=(4, 4), **kw)
     two = estimate_layout(model, Cluster(world_size=2), num_chunks=2, **kw)
-    assert two.layout.stage_layers == ((0, 1, 4, 5), (2, 3, 6, 7)) and two.flags[:2] == [
+    assert two.plan.stage_layers == ((0, 1, 4, 5), (2, 3, 6, 7)) and two.flags[:2] == [
         "--num-layers-per-virtual-pipeline-stage", "2"]
     assert two.comm_bytes["pp"] == 3 * one.comm_bytes["pp"] and two.bubble_fraction == one.bubble_fraction / 2
     assert two.time_parts["bubble"] < one.time_parts["bubble"] and two.time_parts["pp"] > one.time_parts["pp"]

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every test in this file is in the slow tier (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu.py"
 # Written out here (not imported from the script): a row that vanishes from the script fails this test.

@@ -11,6 +11,8 @@ import pytest
 
 from codegeex_train.config.arguments import parse_args, validate
 
+pytestmark = pytest.mark.slow  # every test in this file is in the slow tier (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "pipeline.py"
 

@@ -19,9 +19,9 @@ from codegeex_train.checkpoint.files import load_full_state_dict
 from codegeex_train.checkpoint.resume import ResumeKind, preflight_resume
 from codegeex_train.checkpoint.safe_load import safe_torch_load
 from codegeex_train.config.arguments import ConfigError
-from codegeex_train.config.model import ModelConfig
+from codegeex_train.config.model_config import ModelConfig
 from codegeex_train.distributed.topology import ParallelDims
-from codegeex_train.testing import checkpoint_at, load_tool, metrics_records, run_distributed, tiny_pretrain_args
+from tests.harness import checkpoint_at, load_tool, metrics_records, run_distributed, tiny_pretrain_args
 
 ITERS, SAVED_AT = 6, 4  # the pretraining run, and the checkpoint the others start from
 BATCH = 8  # tiny_pretrain_args' global batch
@@ -126,7 +126,8 @@ def test_the_checkpoints_are_of_each_kind(pretrained):
 
 
 # The fast tier (tests/conftest.py) keeps one case of each feature: the training checkpoint's here.
-@pytest.mark.parametrize("kind", ["training", "universal", "weights"])
+@pytest.mark.parametrize("kind", ["training", pytest.param("universal", marks=pytest.mark.slow),
+                                  pytest.param("weights", marks=pytest.mark.slow)])
 def test_finetune_starts_a_fresh_run_from_the_weights(pretrained, finetuned, kind):
     run, fresh = finetuned(kind), pretrained["seen"][0]
     seen = run["seen"]
@@ -167,6 +168,7 @@ def test_relaunching_a_finetune_resumes_from_save(pretrained, finetuned, tiny_da
     assert adam_step(save, "iter_0000004") == 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, world", [
     pytest.param("training", 2, id="training_dp2"),
     pytest.param("training", 1, id="training_saved_at_dp2_loaded_at_dp1"),
@@ -199,6 +201,7 @@ def test_no_load_optim_restores_all_but_the_optimizer(pretrained, tiny_data, kin
     assert adam_step(save, "iter_0000005") == 1
 
 
+@pytest.mark.slow
 def test_no_load_rng_restores_all_but_the_rng(pretrained, tiny_data):
     save = pretrained["root"] / "no_load_rng"
     seen = train(tiny_data, save, 2, "--load", str(pretrained["dirs"]["training"]), "--no-load-rng",

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from codegeex_train import pretrain
-from codegeex_train.checkpoint import training as training_checkpoints
+from codegeex_train.checkpoint import deepspeed_checkpoint as training_checkpoints
 from codegeex_train.checkpoint.files import read_latest, write_latest
 from codegeex_train.checkpoint.safe_load import (
     CheckpointError,
@@ -31,7 +31,7 @@ from codegeex_train.checkpoint.safe_load import (
     verify_checkpoint_dir,
 )
 from codegeex_train.checkpoint.universal import FORMAT, read_universal_meta
-from codegeex_train.testing import RankFailure, run_distributed, tiny_model_args, tiny_pretrain_args
+from tests.harness import RankFailure, run_distributed, tiny_model_args, tiny_pretrain_args
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MODEL = tiny_model_args()

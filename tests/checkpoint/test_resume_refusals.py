@@ -24,9 +24,9 @@ from codegeex_train.checkpoint.files import (
 )
 from codegeex_train.checkpoint.resume import ResumeKind
 from codegeex_train.checkpoint.sharding import split_model_parallel
-from codegeex_train.config.model import ModelConfig
+from codegeex_train.config.model_config import ModelConfig
 from codegeex_train.model.codegeex import CodeGeeXModel
-from codegeex_train.testing import load_tool, run_distributed, run_pretrain, tiny_pretrain_args
+from tests.harness import load_tool, run_distributed, run_pretrain, tiny_pretrain_args
 
 TP2 = ("--tensor-model-parallel-size", "2")
 TAG = "iter_0000002"

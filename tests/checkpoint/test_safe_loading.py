@@ -22,9 +22,9 @@ from codegeex_train.checkpoint.safe_load import (
     safe_torch_load,
     verify_checkpoint_dir,
 )
-from codegeex_train.config.model import ModelConfig
+from codegeex_train.config.model_config import ModelConfig
 from codegeex_train.model.codegeex import CodeGeeXModel
-from codegeex_train.testing import run_distributed, tiny_model_args
+from tests.harness import run_distributed, tiny_model_args
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONVERT = ROOT / "tools" / "convert_checkpoint.py"
@@ -118,6 +118,7 @@ def test_unreadable_files_are_one_line_errors(tmp_path):
 
 # --- a real DeepSpeed checkpoint ------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_genuine_deepspeed_checkpoint_passes(real_checkpoint):
     tag, meta = read_checkpoint_meta(real_checkpoint)
     files = verify_checkpoint_dir(real_checkpoint, tag)
@@ -148,6 +149,7 @@ def test_load_refuses_a_tampered_checkpoint(real_checkpoint, tiny_data, tmp_path
     assert not marker.exists() and not dist.is_initialized()
 
 
+@pytest.mark.slow
 def test_convert_refuses_a_tampered_checkpoint(real_checkpoint, tmp_path):
     ckpt, marker, out = tmp_path / "ckpt", tmp_path / "pwned", tmp_path / "out"
     shutil.copytree(real_checkpoint, ckpt)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from codegeex_train.testing import free_port, read_metrics
+from tests.harness import free_port, read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "pretrain_codegen.sh"

@@ -28,7 +28,9 @@ from launch_helpers import (
     wait_for_latest,
 )
 
-from codegeex_train.testing import free_port
+from tests.harness import free_port
+
+pytestmark = pytest.mark.slow  # every test in this file is in the slow tier (tests/conftest.py)
 
 ITERS = 40
 SAVE_EVERY = ["--save-interval", "5"]

@@ -3,6 +3,10 @@
 import json
 import time
 
+import pytest
+
+pytestmark = pytest.mark.slow  # every test in this file is in the slow tier (tests/conftest.py)
+
 PROBE = r'''
 import argparse, json, os, sys
 from datetime import timedelta

@@ -171,13 +171,10 @@ def test_virtual_pipeline_layout():
 # --- Sequence parallelism and recompute (--sequence-parallel, --recompute-*) ------------------------------------
 
 def test_recompute_flags_give_one_recompute():
-    from codegeex_train.config.arguments import recompute_from_args
     from codegeex_train.config.recompute import Recompute
 
     def recompute(*argv):
-        args = args_for("--num-layers", "4", *argv)
-        validate(args, 1)
-        return recompute_from_args(args)
+        return validate(args_for("--num-layers", "4", *argv), 1).recompute
 
     assert recompute() == Recompute()
     assert recompute("--checkpoint-activations") == recompute("--recompute-granularity", "full") == Recompute("full")

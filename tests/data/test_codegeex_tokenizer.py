@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from codegeex_train.config.arguments import parse_args
-from codegeex_train.config.model import ModelConfig
+from codegeex_train.config.model_config import ModelConfig
 from codegeex_train.data.default_corpus import default_corpus_files
 from codegeex_train.data.tokenizer import (
     DEFAULT_TOKENIZER_PATH,
@@ -29,7 +29,7 @@ from codegeex_train.data.tokenizer import (
     load_tokenizer,
 )
 from codegeex_train.data.whitespace import split_whitespace_runs, whitespace_token
-from codegeex_train.testing import codegeex_reference
+from tests.harness import codegeex_reference
 
 THEIR_TOKENIZER = "codegeex.tokenizer.tokenizer"  # the original package's tokenizer: the reference
 

@@ -16,7 +16,7 @@ from codegeex_train.data.fim import FIM, FIMDataset, fim_from_flags, sample_rng
 from codegeex_train.data.gpt_dataset import build_train_valid_test_datasets
 from codegeex_train.data.sampler import build_pretraining_data_loader
 from codegeex_train.data.tokenizer import default_tokenizer, load_tokenizer
-from codegeex_train.testing import write_indexed_dataset
+from tests.harness import write_indexed_dataset
 
 SEQ_LENGTH, NUM_SAMPLES, SEED = 64, 10_000, 1234
 
@@ -305,7 +305,7 @@ def test_flags_give_the_sentinels_and_the_checkpoint_records_the_order(tok):
 
 
 def test_a_split_sample_that_is_not_one_token_is_refused_before_any_process_group(capsys, tiny_data, tmp_path):
-    from codegeex_train.testing import fails_with, tiny_pretrain_args
+    from tests.harness import fails_with, tiny_pretrain_args
 
     fails_with(capsys, tiny_pretrain_args(tiny_data, str(tmp_path), 1, "--fim-rate", "0.5", "--fim-split-sample",
                                           "no such token"), "--fim-split-sample", "not one token")

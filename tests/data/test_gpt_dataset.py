@@ -17,7 +17,7 @@ from codegeex_train.data.gpt_dataset import (
     split_document_ranges,
 )
 from codegeex_train.data.indexed_dataset import MMapIndexedDataset
-from codegeex_train.testing import write_indexed_dataset
+from tests.harness import write_indexed_dataset
 
 TOKENS_PER_DOC_ID = 100  # document k holds tokens 100k, 100k+1, ...: a token names its document
 

@@ -13,7 +13,7 @@ from codegeex_train.data.gpt_dataset import GPTDataset
 from codegeex_train.data.indexed_dataset import MMapIndexedDataset, bin_path
 from codegeex_train.data.sampler import build_pretraining_data_loader
 from codegeex_train.data.token_range import TokenIdError, check_token_ids
-from codegeex_train.testing import fails_with, tiny_model_args, write_indexed_dataset
+from tests.harness import fails_with, tiny_model_args, write_indexed_dataset
 
 MODEL = tiny_model_args()  # the shipped tokenizer: 8192 ids, padded to 8192 at TP 1 and 2
 

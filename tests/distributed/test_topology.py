@@ -84,6 +84,7 @@ def _cli(*args):
     return subprocess.run([sys.executable, "-m", "codegeex_train.distributed.topology", *args], capture_output=True, text=True)
 
 
+@pytest.mark.slow
 def test_cli_json_and_text():
     out = _cli("--world-size", "16", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4",
                "--json")

@@ -1,10 +1,13 @@
 """The Topology's torch.distributed groups and the DeepSpeed mpu adapter, on 8 real gloo ranks."""
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from codegeex_train.distributed.topology import DeepSpeedMPU
-from codegeex_train.testing import all_gather_tensor, run_distributed
+from tests.harness import all_gather_tensor, run_distributed
+
+pytestmark = pytest.mark.slow  # every test in this file is in the slow tier (tests/conftest.py)
 
 
 def _members(group):

@@ -11,7 +11,7 @@ import pytest
 
 from codegeex_train.evaluation import ProblemsError, read_problems, write_jsonl
 from codegeex_train.metrics import read_offline_wandb_history
-from codegeex_train.testing import read_metrics, run_process_group
+from tests.harness import read_metrics, run_process_group
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = [sys.executable, str(ROOT / "tools" / "evaluate_humaneval.py")]
@@ -35,6 +35,7 @@ def samples_file(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_samples_end_to_end(samples_file, tmp_path):
     run_dir = tmp_path / "run"
     args = ["--samples", samples_file, "--tasks", 3, "--k", "1,2,10", "--output", tmp_path / "results.jsonl",

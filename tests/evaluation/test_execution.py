@@ -32,6 +32,7 @@ def scoring_sandbox():
     return Sandbox(SandboxConfig(timeout=20.0), workers=2)
 
 
+@pytest.mark.slow
 def test_canonical_solutions_of_all_164_problems_pass(problems, scoring_sandbox):
     samples = [{"task_id": task, "completion": p["canonical_solution"]} for task, p in problems.items()]
     start = time.monotonic()

@@ -25,7 +25,7 @@ from codegeex_train.evaluation import (
     write_jsonl,
 )
 from codegeex_train.evaluation.sandbox import UNSAFE
-from codegeex_train.testing import run_process_group
+from tests.harness import run_process_group
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = secrets.token_hex(6)

@@ -16,7 +16,7 @@ from codegeex_train.evaluation import (
     read_problems,
     select_tasks,
 )
-from codegeex_train.testing import read_metrics
+from tests.harness import read_metrics
 
 
 @dataclass(frozen=True)

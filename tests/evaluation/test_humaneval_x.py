@@ -28,7 +28,7 @@ from codegeex_train.evaluation.languages import (
 from codegeex_train.evaluation.problems import ProblemsError
 from codegeex_train.evaluation.toolchains import Toolchain, ToolchainError
 from codegeex_train.generation.text import truncate_at_stop
-from codegeex_train.testing import read_metrics, run_process_group
+from tests.harness import read_metrics, run_process_group
 
 DATA = Path(__file__).parent / "data" / "humaneval_x"
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,7 +62,8 @@ def toolchains():
         chain.close()
 
 
-@pytest.mark.parametrize("lang", list(LANGUAGES))
+@pytest.mark.parametrize("lang", [pytest.param(lang, marks=pytest.mark.slow) if lang in ("java", "go") else lang
+                                  for lang in LANGUAGES])
 def test_references_pass_and_stubs_fail(lang, sandbox, toolchains):
     problems = read_problems(DATA, lang)
     assert list(problems) == [f"{LANGUAGES[lang].task_prefix}/{i}" for i in range(3)]
@@ -258,7 +259,7 @@ def test_training_callback_scores_each_language(monkeypatch):
 def test_training_flags_are_checked_before_anything_starts(tiny_data, tmp_path, monkeypatch):
     from codegeex_train import pretrain
     from codegeex_train.config.arguments import ConfigError
-    from codegeex_train.testing import tiny_pretrain_args
+    from tests.harness import tiny_pretrain_args
 
     monkeypatch.setenv("WORLD_SIZE", "1")
     argv = tiny_pretrain_args(tiny_data, str(tmp_path / "run"), 4, "--eval-humaneval-interval", "2",

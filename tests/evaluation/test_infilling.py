@@ -33,7 +33,7 @@ from codegeex_train.evaluation.infilling import (
 )
 from codegeex_train.generation import Generator, SamplingParams, fim_format
 from codegeex_train.model import CodeGeeXModel, ModelConfig
-from codegeex_train.testing import load_tool, read_metrics
+from tests.harness import load_tool, read_metrics
 
 WRONG = "raise AssertionError('a wrong middle')\n"
 FIM_RECORD = {"tokenizer_type": None, "tokenizer_model": None, "vocab_file": None, "merge_file": None,
@@ -271,7 +271,7 @@ def test_callback_scores_the_middles_it_generates(bench_dir, fim_model, monkeypa
 def test_the_flag_choices_are_the_benchmarks(bench_dir, tmp_path, capsys):
     from codegeex_train.config.arguments import INFILLING_BENCHMARKS
     from codegeex_train.evaluation.infilling import BENCHMARKS
-    from codegeex_train.testing import fails_with, tiny_model_args
+    from tests.harness import fails_with, tiny_model_args
 
     assert INFILLING_BENCHMARKS == tuple(BENCHMARKS)
     argv = tiny_model_args() + ["--data-path", str(tmp_path / "none"), "--eval-infilling-interval", "1"]

@@ -8,7 +8,7 @@ import torch
 from gen_helpers import ragged_prompts, tp_rank_checks
 
 from codegeex_train.checkpoint import config_from_hf_gpt2
-from codegeex_train.testing import load_tool, run_distributed
+from tests.harness import load_tool, run_distributed
 
 
 @pytest.fixture(scope="session")

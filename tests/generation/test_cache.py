@@ -20,6 +20,7 @@ def test_cached_logits_equal_full_forward_tp1(top_query):
     assert max(result["errors"]) <= TOL, result["errors"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("top_query", [True, False])
 def test_cached_logits_equal_full_forward_tp2(tp2_results, top_query):
     for rank, result in enumerate(tp2_results):

@@ -14,7 +14,7 @@ import pytest
 from codegeex_train.checkpoint import save_model_checkpoint, split_state_dict
 from codegeex_train.data.tokenizer import default_tokenizer
 from codegeex_train.model import CodeGeeXModel, ModelConfig
-from codegeex_train.testing import free_port, run_process_group
+from tests.harness import free_port, run_process_group
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = str(ROOT / "tools" / "generate.py")
@@ -45,6 +45,7 @@ def tiny_ckpt(tmp_path_factory) -> dict:
     return {"root": root, **dirs}
 
 
+@pytest.mark.slow
 def test_tp1_and_torchrun_tp2_write_the_same_completions(tiny_ckpt):
     root = tiny_ckpt["root"]
     single = run([sys.executable, TOOL, "--load", str(tiny_ckpt[1]), "--prompt-file", str(root / "prompts.jsonl"),
@@ -62,6 +63,7 @@ def test_tp1_and_torchrun_tp2_write_the_same_completions(tiny_ckpt):
     assert "wrote 3 completion(s)" in single.stderr
 
 
+@pytest.mark.slow
 def test_prompt_to_stdout_and_interactive(tiny_ckpt):
     greedy = ["--max-new-tokens", "6"]
     once = run([sys.executable, TOOL, "--load", str(tiny_ckpt[1]), "--prompt", "def f(x):\\n", *greedy])
@@ -74,6 +76,7 @@ def test_prompt_to_stdout_and_interactive(tiny_ckpt):
     assert session.stdout == f"{completion}\n{'-' * 40}\n{completion}\n"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, message", [
     (["--load", "{d}/nope", "--prompt", "x"], "latest does not exist"),
     (["--load", "{tp2}", "--prompt", "x"], "is split for TP 2 x PP 1; this run has TP 1: run with --tensor-model-parallel-size 2"),

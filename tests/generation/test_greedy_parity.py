@@ -38,6 +38,7 @@ def test_greedy_batch_matches_hf_generate(tp1, hf_gpt2, hf_tokens):
     assert ours == hf_tokens
 
 
+@pytest.mark.slow
 def test_greedy_alone_and_without_cache_match(tp1, hf_gpt2, hf_tokens):
     prompts = hf_gpt2["prompts"]
     assert [tp1.generate_ids([p], GREEDY)[0] for p in prompts] == hf_tokens

@@ -20,7 +20,7 @@ from codegeex_train.generation import Generator, InfillError, SamplingParams, fi
 from codegeex_train.data.code_tokens import trained_order
 from codegeex_train.generation.infill import split_at_marker
 from codegeex_train.model import CodeGeeXModel, ModelConfig
-from codegeex_train.testing import free_port, load_tool, run_process_group
+from tests.harness import free_port, load_tool, run_process_group
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = str(ROOT / "tools" / "generate.py")

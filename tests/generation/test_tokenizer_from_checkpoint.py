@@ -22,7 +22,7 @@ from codegeex_train.data.default_corpus import default_corpus_files
 from codegeex_train.data.preprocess import TokenizerSpec, preprocess
 from codegeex_train.data.tokenizer import DEFAULT_TOKENIZER_PATH, build_tokenizer, default_tokenizer
 from codegeex_train.evaluation import write_jsonl
-from codegeex_train.testing import load_tool, run_distributed, tiny_pretrain_args
+from tests.harness import load_tool, run_distributed, tiny_pretrain_args
 
 PROMPT = "def add(a, b):\n    if a:\n        return a + b\n    return b\n\n\ndef f(x):\n        "
 SAMPLED = ["--max-new-tokens", "16", "--temperature", "1.0", "--seed", "5"]

@@ -204,6 +204,7 @@ def test_explicit_metrics_file_without_save_dir(tmp_path):
     assert read_jsonl(tmp_path / "m" / "metrics.jsonl") == [VALID]
 
 
+@pytest.mark.slow
 def test_wandb_offline_history_equals_records_and_jsonl(tmp_path, wandb_env):
     wandb_env.setenv("WANDB_MODE", "offline")
     with make_logger(tmp_path, project="codegeex-test", wandb_name="tiny") as logger:
@@ -220,6 +221,7 @@ def test_wandb_offline_history_equals_records_and_jsonl(tmp_path, wandb_env):
     assert history[0][0]["train/loss"] == 9.125 and history[1][0]["valid/ppl"] == 6310.69
 
 
+@pytest.mark.slow
 def test_no_key_falls_back_to_offline_without_hanging(tmp_path, wandb_env):
     assert choose_wandb_mode(dict(HOME=str(tmp_path / "home"))) == "offline"
     start = time.monotonic()

@@ -12,7 +12,7 @@ import pytest
 
 from codegeex_train.config.arguments import LoggingConfig
 from codegeex_train.metrics import MetricsLogger, redact_secrets, secret_values
-from codegeex_train.testing import free_port, run_process_group
+from tests.harness import free_port, run_process_group
 
 ROOT = Path(__file__).resolve().parents[2]
 # Not a name containing NCCL: DeepSpeed's launcher (launch.py) prints every such variable with its value at its
@@ -54,6 +54,7 @@ def test_scan_finds_a_planted_marker(tmp_path):
                                          str(tmp_path / "sub" / "log.txt"): {"WANDB_API_KEY"}}
 
 
+@pytest.mark.slow
 def test_a_real_run_leaks_no_credential(tmp_path, tiny_data):
     """The whole path a user takes: scripts/pretrain_codegen.sh with a hostfile (it writes .deepspeed_env into the
     output dir), the deepspeed launcher (--no_ssh, one node), TP 2, checkpoints every iteration, wandb offline."""

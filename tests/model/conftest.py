@@ -7,7 +7,7 @@ import torch
 from model_helpers import S, hf_batch
 
 from codegeex_train.checkpoint import config_from_hf_gpt2
-from codegeex_train.testing import load_tool
+from tests.harness import load_tool
 
 
 @pytest.fixture(scope="session")

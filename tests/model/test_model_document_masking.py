@@ -15,7 +15,7 @@ from model_helpers import dense_logits, max_err, tiny_config
 
 from codegeex_train.config.recompute import Recompute
 from codegeex_train.model import CodeGeeXModel
-from codegeex_train.training.data import document_ids, document_position_ids
+from codegeex_train.training.batches import document_ids, document_position_ids
 
 EOD = 0
 # (b, s) = (2, 16): documents of 4, 3, 1 (empty: a lone EOD), 7 and 1 (unended) tokens; then 1 (a lone EOD), 7, 8.

@@ -18,7 +18,7 @@ from codegeex_train.model import CodeGeeXModel, ModelConfigError, count_paramete
 from codegeex_train.model.init import ParamInit
 from codegeex_train.model.transformer import ParallelTransformerLayer
 from codegeex_train.tensor_parallel import model_parallel_seed
-from codegeex_train.testing import run_distributed
+from tests.harness import run_distributed
 
 TOL = 1e-5
 
@@ -195,6 +195,7 @@ def tp4():
     return run_distributed(tp_suite, world_size=4, tp_size=4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("variant", ["parity_top_query", "parity_gpt2"])
 def test_tp_matches_tp1(request, tp, variant):

@@ -8,7 +8,9 @@ import torch
 from pipeline_helpers import SHAPE, Saved, microbatch
 
 from codegeex_train.pipeline import P2PCommunicator, ScheduleStats, one_f_one_b, run_schedule, with_p2p_ops
-from codegeex_train.testing import run_distributed
+from tests.harness import run_distributed
+
+pytestmark = pytest.mark.slow  # every test in this file is in the slow tier (tests/conftest.py)
 
 
 def expected_1f1b(p, s, m):

@@ -30,7 +30,7 @@ from codegeex_train.pipeline import (
     run_schedule,
     with_p2p_ops,
 )
-from codegeex_train.testing import run_distributed
+from tests.harness import run_distributed
 
 NBYTES = 2 * 3 * 8 * 4  # one fp32 activation or gradient
 

@@ -172,23 +172,20 @@ def test_cpu_default_command_is_unchanged(script):
 
 
 def pretrain_args(argv: list, ranks: str):
-    """What pretrain.py makes of the launch command's own arguments: parsed and validated at ``ranks``."""
+    """What pretrain.py makes of the launch command's own arguments: parsed, and their plan at ``ranks``."""
     from codegeex_train.config.arguments import parse_args, validate
 
     args = parse_args(argv[argv.index(f"{ROOT}/codegeex_train/pretrain.py") + 1:])
-    validate(args, int(ranks))
-    return args
+    return args, validate(args, int(ranks))
 
 
 def test_sp_and_selective_recompute_go_into_the_command(script):
-    from codegeex_train.config.arguments import recompute_from_args
-
     layout, env, argv = dry_run(script, TP="2", SP="1", RECOMPUTE="selective")
     assert (layout["SP"], layout["RECOMPUTE"], layout["TP"]) == ("1", "selective", "2")
     assert argv.count("--sequence-parallel") == 1 and flag(argv, "--recompute-granularity") == "selective"
     assert "--checkpoint-activations" not in argv and env == CPU_DEFAULT_ENV
-    args = pretrain_args(argv, layout["RANKS"])
-    assert args.parallel.sequence_parallel and recompute_from_args(args).describe() == "selective (core_attn)"
+    args, plan = pretrain_args(argv, layout["RANKS"])
+    assert args.parallel.sequence_parallel and plan.recompute.describe() == "selective (core_attn)"
     # Nothing else changes: the default command with the two flags after the layout's.
     layout, _, argv = dry_run(script, SP="1", RECOMPUTE="full")
     assert (layout["SP"], layout["RECOMPUTE"]) == ("1", "full")
@@ -238,14 +235,12 @@ def test_vpp_interleaves_the_pipeline(script):
     ("1", {}, ("--tensor-model-parallel-size", "4"), True, "selective"),
 ])
 def test_13b_memory_defaults_and_overrides(script, tp, variables, args, sp, recompute):
-    from codegeex_train.config.arguments import recompute_from_args
-
     script.fake_gpus(8)
     layout, _, argv = dry_run(script, *args, CONFIG="codegeex-13b", TP=tp, **variables)
     assert (layout["SP"], layout["RECOMPUTE"]) == (str(int(sp)), recompute)
-    parsed = pretrain_args(argv + ["--data-path", "x"], layout["RANKS"])  # the 13B config needs DATA_PATH's data
+    parsed, plan = pretrain_args(argv + ["--data-path", "x"], layout["RANKS"])  # the 13B config needs DATA_PATH's data
     assert parsed.parallel.sequence_parallel == sp
-    assert (recompute_from_args(parsed).granularity or "none") == recompute
+    assert (plan.recompute.granularity or "none") == recompute
     assert argv.count("--sequence-parallel") <= 1
     recompute_flags = [w for w in argv if w.split("=")[0] in ("--recompute-granularity", "--checkpoint-activations")]
     assert len(recompute_flags) == (recompute != "none")  # one, from the script or the arguments

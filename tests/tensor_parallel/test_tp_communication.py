@@ -18,7 +18,9 @@ from codegeex_train.tensor_parallel import (
     reduce_from_tensor_model_parallel_region,
     vocab_parallel_cross_entropy,
 )
-from codegeex_train.testing import RankFailure, run_distributed
+from tests.harness import RankFailure, run_distributed
+
+pytestmark = pytest.mark.slow  # every test in this file is in the slow tier (tests/conftest.py)
 
 B, S, H = 2, 8, 16
 FP32 = 4  # bytes per element: CommCounter counts bytes, not elements

@@ -15,7 +15,7 @@ from codegeex_train.tensor_parallel import (
     init_normal,
     vocab_parallel_cross_entropy,
 )
-from codegeex_train.testing import all_gather_tensor, run_distributed
+from tests.harness import all_gather_tensor, run_distributed
 
 TOL = 1e-5
 B, S, H, OUT, V = 2, 5, 8, 12, 24
@@ -146,7 +146,8 @@ def check_all_layers(topo):
     return topo.tp_rank
 
 
-@pytest.mark.parametrize("world,tp", [(1, 1), (4, 2), (4, 4)])
+@pytest.mark.parametrize("world,tp", [(1, 1), pytest.param(4, 2, marks=pytest.mark.slow),
+                                      pytest.param(4, 4, marks=pytest.mark.slow)])
 def test_layers_match_dense_reference(world, tp):
     # (4, 2) runs two TP groups side by side, so groups that do not contain rank 0 are exercised too.
     assert run_distributed(check_all_layers, world_size=world, tp_size=tp) == [r % tp for r in range(world)]
@@ -163,5 +164,6 @@ def check_bad_sizes(topo):
         VocabParallelEmbedding(10, H, topo.tp_group)
 
 
+@pytest.mark.slow
 def test_bad_sizes_raise_clear_errors():
     run_distributed(check_bad_sizes, world_size=4, tp_size=4)

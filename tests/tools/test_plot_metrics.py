@@ -9,7 +9,7 @@ import pytest
 
 from codegeex_train.config.arguments import LoggingConfig
 from codegeex_train.metrics import MetricsLogger
-from codegeex_train.testing import load_tool
+from tests.harness import load_tool
 
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "plot_metrics.py"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from codegeex_train.testing import run_process_group, tiny_model_args
+from tests.harness import run_process_group, tiny_model_args
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOLS = ROOT / "tools"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from codegeex_train.testing import fails_with, tiny_model_args
+from tests.harness import fails_with, tiny_model_args
 
 
 @pytest.fixture(autouse=True)

@@ -7,8 +7,8 @@ import pytest
 
 from codegeex_train.checkpoint.files import save_model_checkpoint
 from codegeex_train.checkpoint.sharding import split_state_dict
-from codegeex_train.config.model import ModelConfig
-from codegeex_train.testing import fails_with, tiny_model_args, write_indexed_dataset
+from codegeex_train.config.model_config import ModelConfig
+from tests.harness import fails_with, tiny_model_args, write_indexed_dataset
 
 MODEL = tiny_model_args()
 

@@ -7,9 +7,11 @@ import torch
 
 from codegeex_train import pretrain
 from codegeex_train.config.arguments import parse_args
-from codegeex_train.testing import metrics_records, run_distributed, tiny_model_args
-from codegeex_train.training import data
+from tests.harness import metrics_records, run_distributed, tiny_model_args
+from codegeex_train.training import batches as data
 from codegeex_train.training.optim import LRSchedule
+
+pytestmark = pytest.mark.slow  # every test in this file is in the slow tier (tests/conftest.py)
 
 EOD = 0  # the shipped tokenizer's end-of-document id
 

@@ -13,7 +13,7 @@ from codegeex_train.data.indexed_dataset import MMapIndexedDataset
 from codegeex_train.data.tokenizer import build_tokenizer
 from codegeex_train.data.code_tokens import code_tokens
 from codegeex_train.evaluation import read_problems
-from codegeex_train.testing import load_tool, metrics_records, run_distributed, run_pretrain, tiny_pretrain_args
+from tests.harness import load_tool, metrics_records, run_distributed, run_pretrain, tiny_pretrain_args
 
 
 def test_repository_documents_train_with_fim_and_masking_and_infill(tmp_path, capsys):

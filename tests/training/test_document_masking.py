@@ -16,8 +16,8 @@ import torch
 
 from codegeex_train import pretrain
 from codegeex_train.config.arguments import parse_args
-from codegeex_train.testing import metrics_records, run_distributed, tiny_pretrain_args, write_indexed_dataset
-from codegeex_train.training.data import DocumentMasking, get_batch
+from tests.harness import metrics_records, run_distributed, tiny_pretrain_args, write_indexed_dataset
+from codegeex_train.training.batches import DocumentMasking, get_batch
 from codegeex_train.training.stage import masked_mean
 
 EOD = 0  # the shipped tokenizer's end-of-document id

@@ -4,7 +4,9 @@ import pytest
 
 from codegeex_train import pretrain
 from codegeex_train.generation import Generator
-from codegeex_train.testing import metrics_records, run_distributed, run_pretrain, tiny_pretrain_args
+from tests.harness import metrics_records, run_distributed, run_pretrain, tiny_pretrain_args
+
+pytestmark = pytest.mark.slow  # every test in this file is in the slow tier (tests/conftest.py)
 
 SOLVED = "HumanEval/1"  # of the 2 tasks evaluated, the one whose completion is replaced by its canonical solution
 

@@ -3,7 +3,11 @@
 import os
 import sys
 
-from codegeex_train.testing import free_port, read_metrics, run_process_group
+import pytest
+
+from tests.harness import free_port, read_metrics, run_process_group
+
+pytestmark = pytest.mark.slow  # every test in this file is in the slow tier (tests/conftest.py)
 
 
 def test_torchrun_two_ranks(tmp_path, tiny_data):

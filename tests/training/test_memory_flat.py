@@ -10,7 +10,7 @@ import os
 import pytest
 
 from codegeex_train import pretrain
-from codegeex_train.testing import run_distributed, tiny_pretrain_args
+from tests.harness import run_distributed, tiny_pretrain_args
 from codegeex_train.training import stage, trainer
 
 ITERS = 200
@@ -21,7 +21,8 @@ SAMPLES = (WARM, 100, 150, ITERS)
 # Each micro-batch's loss kept with its graph (leak="loss_graph") grows it by +120 to +184 MB and fails this.
 MAX_GROWTH_MB = 16.0
 
-pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")
+pytestmark = [pytest.mark.slow,  # every test in this file is in the slow tier (tests/conftest.py)
+              pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")]
 
 
 def current_rss_mb() -> float:

@@ -12,7 +12,7 @@ import torch
 from codegeex_train import pretrain
 from codegeex_train.checkpoint.files import read_latest
 from codegeex_train.config.arguments import ConfigError, parse_args, validate
-from codegeex_train.testing import RankFailure, metrics_records, run_distributed, run_pretrain, tiny_pretrain_args
+from tests.harness import RankFailure, metrics_records, run_distributed, run_pretrain, tiny_pretrain_args
 from codegeex_train.training import fault_injection, trainer
 from codegeex_train.training.exit_conditions import ExitConditions, NumericalHealth, NumericalHealthError
 
@@ -54,6 +54,7 @@ def test_nan_loss_stops_every_stage_without_saving(monkeypatch, tmp_path, tiny_d
     assert math.isnan(rows[5]["loss"]) and all(math.isfinite(rows[i]["loss"]) for i in range(1, 5))
 
 
+@pytest.mark.slow
 def test_inf_grad_norm_stops_dp_ranks(monkeypatch, tmp_path, tiny_data):
     save, text = failed_run(monkeypatch, tmp_path, tiny_data, "inf-grad@3", 2, 1, 1, 6, "--save-interval", "2")
     assert ("the gradient norm is NaN or Inf at iteration 3; stopped at iteration 3 without saving it. Last good "
@@ -64,6 +65,7 @@ def test_inf_grad_norm_stops_dp_ranks(monkeypatch, tmp_path, tiny_data):
     assert math.isfinite(rows[3]["loss"]) and rows[3]["grad_norm"] == math.inf
 
 
+@pytest.mark.slow
 def test_without_per_iteration_checks_a_save_is_still_checked(monkeypatch, tmp_path, tiny_data):
     # Checked only where it logs or saves (4, 8): the NaN of iteration 6 is found at 8, before 8 is saved.
     save, text = failed_run(monkeypatch, tmp_path, tiny_data, "nan-loss@6", 2, 2, 1, 12,
@@ -74,6 +76,7 @@ def test_without_per_iteration_checks_a_save_is_still_checked(monkeypatch, tmp_p
     assert not os.path.exists(os.path.join(save, "iter_0000008"))
 
 
+@pytest.mark.slow
 def test_no_save_dir_names_no_checkpoint(monkeypatch, tmp_path, tiny_data):
     argv = [a for a in tiny_pretrain_args(tiny_data, "unused", 3) if a not in ("--save", "unused")]
     argv += ["--metrics-file", str(tmp_path / "m.jsonl")]
@@ -96,6 +99,7 @@ def run_as_fp16(topology, argv):
     pretrain.main(argv)
 
 
+@pytest.mark.slow
 def test_fp16_skips_are_counted_and_a_long_run_of_them_stops(monkeypatch, tmp_path, tiny_data):
     # Iteration 3 overflows alone; from 5 on every step does: 5, 6, 7, 8 make 4 in a row, more than 3.
     save, text = failed_run(monkeypatch, tmp_path, tiny_data, "inf-grad@3,5-", 1, 1, 1, 12, "--save-interval", "2",
@@ -171,7 +175,7 @@ def test_deepspeed_giving_up_on_the_loss_scale_is_the_same_error(monkeypatch, tm
 
     monkeypatch.setattr(trainer, "train_step", step)
     (tmp_path / "latest").write_text("iter_0000010")
-    run = type("FakeRun", (), {"args": parse_args(["--data-path", "x", "--save", str(tmp_path)]),
+    run = type("FakeRun", (), {"train": parse_args(["--data-path", "x", "--save", str(tmp_path)]).train,
                                 "topology": type("T", (), {"rank": 1})(), "step_context": None})()
     h = health(check_grad_norm=False)
     h.consecutive_skipped = 17

@@ -14,7 +14,7 @@ from codegeex_train import pretrain
 from codegeex_train.checkpoint import resume
 from codegeex_train.checkpoint.files import write_latest
 from codegeex_train.pipeline.shared_embedding import shared_embedding_weight
-from codegeex_train.testing import load_tool, metrics_records, run_distributed, tiny_pretrain_args
+from tests.harness import load_tool, metrics_records, run_distributed, tiny_pretrain_args
 from codegeex_train.training import trainer
 
 ITERS = 10
@@ -68,7 +68,7 @@ def baseline(tmp_path_factory, tiny_data):
     return run_layout(tmp_path_factory.mktemp("pp"), tiny_data, 1, 1, 1)
 
 
-@pytest.mark.parametrize("tp,pp,dp", LAYOUTS)
+@pytest.mark.parametrize("tp,pp,dp", [LAYOUTS[0], *(pytest.param(*x, marks=pytest.mark.slow) for x in LAYOUTS[1:])])
 def test_pipeline_matches_single_process(tmp_path, tiny_data, baseline, tp, pp, dp):
     base, base_ranks = baseline
     run, ranks = run_layout(tmp_path, tiny_data, tp, pp, dp)
@@ -134,6 +134,7 @@ def perturb_sync_and_train(topology, argv):
     return {"coords": (topology.tp_rank, topology.pp_rank, topology.dp_rank), **captured}
 
 
+@pytest.mark.slow
 def test_sync_makes_a_different_last_stage_copy_equal(tmp_path, tiny_data):
     """TP 1 x PP 2 x DP 2 (ZeRO-2 partitions the fp32 master over DP): a last-stage copy perturbed before the
     start-up sync equals the first stage's, bit for bit, right after it (model weight and fp32 master), and after
@@ -153,6 +154,7 @@ def test_sync_makes_a_different_last_stage_copy_equal(tmp_path, tiny_data):
         assert not np.array_equal(first["trained"], first["synced"])  # it trained
 
 
+@pytest.mark.slow
 def test_resume_at_pp2_is_exact(tmp_path, tiny_data):
     # TP 1 x PP 2 x DP 2: each stage's ZeRO-2 partitions and both copies of the tied table come back.
     full = str(tmp_path / "full")
@@ -172,6 +174,7 @@ def test_resume_at_pp2_is_exact(tmp_path, tiny_data):
         assert b[it]["consumed_samples"] == a[it]["consumed_samples"] == 8 * it
 
 
+@pytest.mark.slow
 def test_converted_checkpoint_trains_alike_at_another_layout(tmp_path, tiny_data, baseline):
     # Weights trained at PP 2, re-sharded by tools/convert_checkpoint.py to PP 2 and to TP 2 x PP 1: both
     # continue identically (weights only: the optimizer state starts afresh, as with a Hugging Face import).

@@ -9,7 +9,7 @@ import torch
 
 from codegeex_train import pretrain
 from codegeex_train.checkpoint.files import read_latest, write_latest
-from codegeex_train.testing import (
+from tests.harness import (
     RankFailure,
     metrics_records,
     read_metrics,
@@ -28,6 +28,7 @@ def train(tmp_path, data, name, world, tp, *extra, iters=ITERS):
     return save
 
 
+@pytest.mark.slow
 def test_losses_agree_across_tp_and_dp(tmp_path, tiny_data):
     # The same global batch of 8 sequences: (1,1) takes 4 micro-batches, (1,2) and (2,2) two per DP rank.
     runs = {(tp, dp): metrics_records(train(tmp_path, tiny_data, f"tp{tp}dp{dp}", tp * dp, tp))
@@ -42,6 +43,7 @@ def test_losses_agree_across_tp_and_dp(tmp_path, tiny_data):
             assert run[it]["lr"] == pytest.approx(base[it]["lr"], rel=1e-12)
 
 
+@pytest.mark.slow
 def test_clip_grad_really_clips(tmp_path, tiny_data):
     # Plain SGD, so the update is proportional to the (clipped) gradient; Adam would normalise it away.
     sgd = ["--optimizer", "sgd", "--sgd-momentum", "0", "--lr", "1.0", "--lr-warmup-iters", "0",
@@ -86,6 +88,7 @@ def crash_during_second_save(topology, argv):
     pretrain.main(argv)
 
 
+@pytest.mark.slow
 def test_crash_mid_checkpoint_keeps_previous_latest(tmp_path, tiny_data):
     save = str(tmp_path / "crash")
     with pytest.raises(RankFailure, match=f"process exited with code {CRASH_EXIT_CODE} without reporting"):
@@ -101,6 +104,7 @@ def test_crash_mid_checkpoint_keeps_previous_latest(tmp_path, tiny_data):
     assert read_latest(save) == "iter_0000004"
 
 
+@pytest.mark.slow
 def test_checkpoint_activations_same_losses(tmp_path, tiny_data):
     dropout = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
     plain = metrics_records(train(tmp_path, tiny_data, "plain", 2, 2, *dropout, iters=4))
@@ -111,6 +115,7 @@ def test_checkpoint_activations_same_losses(tmp_path, tiny_data):
         assert recompute[it]["grad_norm"] == pytest.approx(plain[it]["grad_norm"], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_matches_metrics_file(tmp_path, tiny_data, monkeypatch):
     from codegeex_train.metrics import read_offline_wandb_history
 

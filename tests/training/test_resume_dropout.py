@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from codegeex_train.model import CodeGeeXModel, ModelConfig
-from codegeex_train.testing import checkpoint_at, metrics_records, run_distributed, run_pretrain, tiny_pretrain_args
+from tests.harness import checkpoint_at, metrics_records, run_distributed, run_pretrain, tiny_pretrain_args
 
 ITERS, SAVED_AT = 8, 4
 DROPOUT = ["--num-layers", "4", "--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--save-interval",
@@ -20,6 +20,7 @@ DROPOUT = ["--num-layers", "4", "--hidden-dropout", "0.1", "--attention-dropout"
 SP = ["--sequence-parallel"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp,pp,dp,extra", [(2, 1, 1, []), (1, 1, 2, []), (1, 2, 1, []), (2, 1, 1, SP),
                                             (2, 2, 1, SP + ["--recompute-granularity", "selective"])],
                          ids=["tp2", "dp2", "pp2", "tp2sp", "tp2pp2sp"])

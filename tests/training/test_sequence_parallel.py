@@ -22,7 +22,7 @@ from codegeex_train.config.arguments import parse_args
 from codegeex_train.generation.generator import Generator
 from codegeex_train.generation.sampling import SamplingParams
 from codegeex_train.model.codegeex import CodeGeeXModel
-from codegeex_train.testing import checkpoint_at, load_tool, metrics_records, run_distributed, tiny_pretrain_args
+from tests.harness import checkpoint_at, load_tool, metrics_records, run_distributed, tiny_pretrain_args
 
 ITERS = 10
 CLIP = 0.5
@@ -132,7 +132,7 @@ def test_sequence_parallel_at_tp1_warns_and_changes_nothing(baseline):
         assert (sp[it]["loss"], sp[it]["grad_norm"]) == (base[it]["loss"], base[it]["grad_norm"]), it
 
 
-@pytest.mark.parametrize("tp,pp,dp", LAYOUTS)
+@pytest.mark.parametrize("tp,pp,dp", [LAYOUTS[0], *(pytest.param(*x, marks=pytest.mark.slow) for x in LAYOUTS[1:])])
 def test_sequence_parallel_matches_single_process(baseline, layout_runs, tp, pp, dp):
     base = baseline["base"]
     runs, ranks = layout_runs(tp, pp, dp)
@@ -152,6 +152,7 @@ def test_sequence_parallel_matches_single_process(baseline, layout_runs, tp, pp,
     print(f"(TP, PP, DP) = {(tp, pp, dp)}: worst relative (loss, grad norm) vs (1,1,1):", worst_seen)
 
 
+@pytest.mark.slow
 def test_broken_sequence_parallel_grad_allreduce_is_caught(tmp_path, tiny_data, baseline):
     """TP 2 with the sequence-parallel parameters' gradients never all-reduced over TP, then all-reduced twice: the
     parity above fails for each (both the losses and the grad norms leave the 1e-5 band)."""
@@ -191,6 +192,7 @@ def save_with_sp_resume_without(topology, full_argv, resumed_argv, full, at_save
     return {"logits_gap": gap.abs().max().item(), "decoded": decoded}
 
 
+@pytest.mark.slow
 def test_checkpoint_saved_with_sp_resumes_without(tmp_path, tiny_data):
     """Saved at TP 2 + SP: resumed at TP 2 without SP (the checkpoint as it is: SP changes no parameter layout) and
     at (1,1,1) through the universal format, each iteration as the uninterrupted SP run logged it."""

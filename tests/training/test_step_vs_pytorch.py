@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from codegeex_train import pretrain
-from codegeex_train.testing import load_tool, metrics_records, run_distributed, tiny_model_args
+from tests.harness import load_tool, metrics_records, run_distributed, tiny_model_args
 
 SEQ, ITERS, GLOBAL_BATCH, MICRO_BATCH = 32, 6, 8, 2
 LR, MIN_LR, WARMUP, WEIGHT_DECAY, CLIP = 2e-3, 2e-4, 2, 0.1, 0.5
@@ -127,7 +127,8 @@ def global_batches(per_rank, dp_ranks):
             for it in range(ITERS)]
 
 
-@pytest.mark.parametrize("world,tp", [(1, 1), (2, 1), (2, 2)], ids=["tp1dp1", "tp1dp2", "tp2dp1"])
+@pytest.mark.parametrize("world,tp", [(1, 1), pytest.param(2, 1, marks=pytest.mark.slow),
+                                      pytest.param(2, 2, marks=pytest.mark.slow)], ids=["tp1dp1", "tp1dp2", "tp2dp1"])
 def test_training_step_matches_plain_pytorch(tmp_path, tiny_data, hf_gpt2, world, tp):
     ours, per_rank = train_ours(tmp_path / "run", tiny_data, hf_gpt2 / f"ckpt_tp{tp}", world, tp)
     dp_ranks = list(range(0, world, tp))  # TP rank 0 of each DP rank

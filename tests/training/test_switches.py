@@ -9,7 +9,9 @@ import torch.nn.functional as F
 
 from codegeex_train import pretrain
 from codegeex_train.model.mlp import ParallelMLP
-from codegeex_train.testing import metrics_records, run_distributed, tiny_model_args
+from tests.harness import metrics_records, run_distributed, tiny_model_args
+
+pytestmark = pytest.mark.slow  # every test in this file is in the slow tier (tests/conftest.py)
 
 MICRO, GLOBAL, ITERS = 2, 8, 2  # 4 micro-batches per step on one rank
 
@@ -54,12 +56,12 @@ def eval_by_hand(topology, argv):
     """Train (evaluating at iterations 1 and 2), then recompute the last evaluation from the final weights."""
     from codegeex_train.checkpoint.files import load_model_checkpoint
     from codegeex_train.model.codegeex import CodeGeeXModel
-    from codegeex_train.training.data import build_datasets, loader, num_samples
+    from codegeex_train.training.batches import build_datasets, loader, num_samples
 
     pretrain.main(argv)
     prepared = pretrain.prepare(argv)
-    args, layout = prepared.args, prepared.layout
-    model = CodeGeeXModel(args.model, None, None, seed=0).eval()
+    args, layout = prepared.args, prepared.plan
+    model = CodeGeeXModel(prepared.model, None, None, seed=0).eval()
     load_model_checkpoint(args.train.save, model)
     _, valid, _ = build_datasets(args.data, args.train, layout, 0)
     batches = loader(valid, 0, layout, 0, 0, num_samples(args.train, layout)[1])

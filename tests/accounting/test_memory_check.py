@@ -24,8 +24,8 @@ from codegeex_train.accounting.theory import Workload
 from codegeex_train.config.arguments import DataConfig, parse_args, validate
 from codegeex_train.data.gpt_dataset import build_sample_index
 from codegeex_train.data.tokenizer import DEFAULT_TOKENIZER_PATH
-from codegeex_train.testing import fails_with, tiny_model_args, write_indexed_dataset
-from codegeex_train.training.data import num_samples
+from tests.harness import fails_with, tiny_model_args, write_indexed_dataset
+from codegeex_train.training.batches import num_samples
 
 GIB = 2**30
 ROOT = Path(__file__).resolve().parents[2]
@@ -102,7 +102,7 @@ def test_the_embedding_of_a_vocabulary_counts(tiny_data):
     args = parse_args(MODEL + ["--data-path", tiny_data])
     layout = validate(args, 1)
     args.model.vocab_size = 40_000_001  # what a sparse tokenizer used to give
-    need = fit.rank_need(Workload.from_run(args, layout, {}, "cpu"), 0)
+    need = fit.rank_need(Workload.from_run(args.model, layout, {}, "cpu"), 0)
     assert need.parts["weights"] >= 40_000_001 * args.model.hidden_size * 4
 
 
@@ -138,7 +138,7 @@ def test_a_run_that_fits_passes_and_one_byte_less_does_not(capsys, tiny_data, mo
     args = parse_args(argv)
     layout = validate(args, 1)
     args.model.vocab_size = 8192
-    need = fit.rank_need(Workload.from_run(args, layout, {}, "cpu"), 0).host
+    need = fit.rank_need(Workload.from_run(args.model, layout, {}, "cpu"), 0).host
     assert 150 * 2**20 < need < 250 * 2**20  # the tiny model: mostly the framework's constant
     need += fit.sample_index_bytes(args.data, args.train.seq_length, num_samples(args.train, layout))
     free_host_memory(monkeypatch, need)
@@ -155,7 +155,7 @@ def test_ranks_of_a_host_share_it_and_the_suggested_flags_fit(capsys, tiny_data,
             "--max-position-embeddings", "256", "--micro-batch-size", "8", "--data-path", tiny_data]
     args = parse_args(argv)
     args.model.vocab_size = 8192
-    w = Workload.from_run(args, validate(args, 2), {}, "cpu")
+    w = Workload.from_run(args.model, validate(args, 2), {}, "cpu")
     one = fit.rank_need(w, 0).host
     free_host_memory(monkeypatch, 2 * one - 1)
     message = fails_with(capsys, argv, f"{fit._gib(2 * one)} on this host (2 ranks, this one", "shared by 2")
@@ -213,6 +213,7 @@ def test_the_address_space_limit_counts_per_rank(capsys, tiny_data, monkeypatch)
     fails_with(capsys, MODEL + ["--data-path", tiny_data], "this process's address space", "RLIMIT_AS (test)")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc")
 def test_the_estimate_is_within_ten_percent_of_the_measured_peak(tiny_data, tmp_path):
     """benchmarks/memory_check.py on the tiny shape: one fresh CPU process (~10 s), its peak RSS growth after the

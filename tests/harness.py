@@ -13,7 +13,11 @@ so every tensor in the result (also inside lists, tuples and dicts) is turned in
 
 ``run_process_group`` runs a launcher (deepspeed, torchrun, a shell script) in a session of its own and, on
 timeout, kills its whole process group: ``subprocess.run(timeout=...)`` kills only the launcher and leaves its
-ranks running.
+ranks running. Below those, what many tests repeat (the tiny model's flags, metrics records, ``fails_with``).
+
+It lives beside the tests, not in the package (which ships no pytest harness): ``from tests.harness import ...``
+with the checkout's root on sys.path (tests/conftest.py puts it there; the benchmarks that spawn ranks too). Spawned
+ranks import it by that name: they get the caller's sys.path.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Adam moments and step, LR schedule, consumed samples and data order all come bac
 import pytest
 
 from codegeex_train import pretrain
-from codegeex_train.testing import (
+from tests.harness import (
     checkpoint_at,
     load_tool,
     metrics_records,
@@ -54,6 +54,7 @@ def check_universal_resume(tmp_path, data, saved, resume_layouts):
             assert resumed[it]["grad_norm"] == pytest.approx(reference[it]["grad_norm"], rel=1e-5), where
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("saved", list(RESUME_LAYOUTS), ids=lambda layout: "saved_tp{}_pp{}_dp{}".format(*layout))
 def test_universal_checkpoint_resumes_at_any_layout(tmp_path, tiny_data, saved):
     check_universal_resume(tmp_path, tiny_data, saved, RESUME_LAYOUTS[saved])
@@ -64,6 +65,7 @@ def test_universal_checkpoint_from_dp2_resumes_at_pp2(tmp_path, tiny_data):
     check_universal_resume(tmp_path, tiny_data, (1, 1, 2), [(1, 2, 1)])
 
 
+@pytest.mark.slow
 def test_layout_mismatch_without_conversion_names_the_fix(tmp_path, tiny_data, capsys, monkeypatch):
     full = tmp_path / "full"
     run_distributed(run_pretrain, world_size=2, tp_size=1, deadline_s=600,

@@ -18,7 +18,7 @@ from codegeex_train.data.indexed_dataset import IndexedDatasetError, MMapIndexed
 from codegeex_train.data.sampler import build_pretraining_data_loader
 from codegeex_train.data.token_range import TokenIdError, check_token_ids
 from codegeex_train.data.tokenizer import Tokenizer, load_tokenizer
-from codegeex_train.distributed.layout import Layout
+from codegeex_train.config.plan import ParallelPlan
 
 
 def _prefixes(cfg: DataConfig) -> list[tuple[str, str]]:
@@ -51,13 +51,13 @@ def preflight_data(cfg: DataConfig, padded_vocab_size: int) -> None:
             raise ConfigError(f"{flag} {prefix}: {e}") from None
 
 
-def num_samples(train: TrainConfig, layout: Layout) -> tuple[int, int, int]:
+def num_samples(train: TrainConfig, plan: ParallelPlan) -> tuple[int, int, int]:
     """Samples each split must provide: every training step, and eval_iters global batches for eval/test."""
-    eval_samples = train.eval_iters * layout.global_batch_size
-    return train.train_iters * layout.global_batch_size, eval_samples, eval_samples
+    eval_samples = train.eval_iters * plan.global_batch_size
+    return train.train_iters * plan.global_batch_size, eval_samples, eval_samples
 
 
-def build_datasets(cfg: DataConfig, train: TrainConfig, layout: Layout, rank: int, vocab_size: int | None = None,
+def build_datasets(cfg: DataConfig, train: TrainConfig, plan: ParallelPlan, rank: int, vocab_size: int | None = None,
                    tokenizer: Tokenizer | None = None):
     """Rank 0 builds (and caches) the sample indices first; the others then read them from the cache.
 
@@ -66,7 +66,7 @@ def build_datasets(cfg: DataConfig, train: TrainConfig, layout: Layout, rank: in
     fim = fim_from_flags(cfg, tokenizer or load_tokenizer(cfg)) if cfg.fim_rate else None
 
     def build():
-        sizes = num_samples(train, layout)
+        sizes = num_samples(train, plan)
         if cfg.data_path:
             return build_train_valid_test_datasets(cfg.data_path, cfg.split, train.seq_length, train.seed, sizes,
                                                    vocab_size=vocab_size, fim=fim)
@@ -82,10 +82,10 @@ def build_datasets(cfg: DataConfig, train: TrainConfig, layout: Layout, rank: in
     return datasets
 
 
-def loader(dataset, consumed_samples: int, layout: Layout, dp_rank: int, num_workers: int, total_samples: int):
+def loader(dataset, consumed_samples: int, plan: ParallelPlan, dp_rank: int, num_workers: int, total_samples: int):
     """This DP rank's micro-batches from ``consumed_samples`` on; every TP/PP rank of it reads the same ones."""
-    return build_pretraining_data_loader(dataset, consumed_samples, layout.micro_batch_size, dp_rank,
-                                         layout.dims.dp_size, num_workers=num_workers, total_samples=total_samples)
+    return build_pretraining_data_loader(dataset, consumed_samples, plan.micro_batch_size, dp_rank,
+                                         plan.dp_size, num_workers=num_workers, total_samples=total_samples)
 
 
 @dataclass(frozen=True)

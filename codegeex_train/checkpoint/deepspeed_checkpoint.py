@@ -33,7 +33,7 @@ from codegeex_train.checkpoint.deepspeed_files import IncompleteCheckpoint, Part
 from codegeex_train.checkpoint.files import META_KEY, checkpoint_tag, read_latest, type_name, write_latest
 from codegeex_train.checkpoint.safe_load import CheckpointError, safe_torch_load
 from codegeex_train.checkpoint.train_state import TrainState, rng_state, set_rng_state
-from codegeex_train.config.model import ModelConfig
+from codegeex_train.config.model_config import ModelConfig
 from codegeex_train.distributed.topology import Topology
 from codegeex_train.tensor_parallel import RNGStatesTracker
 

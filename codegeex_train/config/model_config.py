@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from codegeex_train.config.options import UNIT_OPEN, above, at_least, option, out_of_range
 
@@ -41,6 +41,10 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
+
+    def with_vocab(self, vocab_size: int) -> "ModelConfig":
+        """A copy with the tokenizer's vocabulary (the parsed flags stay as they are)."""
+        return replace(self, vocab_size=vocab_size)
 
     @property
     def padded_vocab_size(self) -> int:

@@ -13,10 +13,10 @@ import pytest
 
 from codegeex_train import pretrain
 from codegeex_train.accounting import planner
-from codegeex_train.config.model import ModelConfig
+from codegeex_train.config.model_config import ModelConfig
 from codegeex_train.config.recompute import Recompute
 from codegeex_train.data.tokenizer import default_tokenizer
-from codegeex_train.testing import run_distributed
+from tests.harness import run_distributed
 
 LAYOUTS = [(2, 2, 1), (1, 2, 2), (1, 2, 1)]  # (TP, PP, DP)
 # Attention dropout decides what SDPA keeps on CPU: none -> the fused kernel (no s x s probabilities), 0.1 ->
@@ -57,6 +57,7 @@ def split(rows, name):
     return [r for r in rows if r.get("split") == name]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_metrics_hold_bytes_by_group_beside_theory(runs, layout):
     train = split(runs[layout], "train")
@@ -74,6 +75,7 @@ def test_metrics_hold_bytes_by_group_beside_theory(runs, layout):
         assert r["comm_pp_bytes"] == (2 * m * CHUNKS[layout] - m) * phi
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_memory_parts_measured_match_theory(runs, layout):
     (record,) = split(runs[layout], "memory")
@@ -92,6 +94,7 @@ def test_memory_parts_measured_match_theory(runs, layout):
     assert record["memory_gb"] > measured / 2**30  # the process holds at least the parts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_planner_predicts_the_measured_run(runs, layout):
     tp, pp, dp = layout
