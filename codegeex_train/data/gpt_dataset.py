@@ -190,17 +190,8 @@ class GPTDataset(torch.utils.data.Dataset):
         return {"text": self.sample(int(self.shuffle_idx[i]))}
 
 
-def _build_split(
-    split_index: int,
-    blend: list[tuple[float, MMapIndexedDataset, tuple[int, int]]],
-    seq_length: int,
-    seed: int,
-    num_samples: int,
-    cache_dir: str | None,
-    vocab_size: int | None,
-    fim: FIM | None = None,
-) -> GPTDataset | BlendedDataset | FIMDataset | None:
-    dataset = _build_samples(split_index, blend, seq_length, seed, num_samples, cache_dir, vocab_size)
+def _with_fim(split_index: int, dataset, fim: FIM | None, seed: int):
+    """FIM transforms the training split only (validation stays left to right: comparable at any rate)."""
     if fim is None or dataset is None or SPLIT_NAMES[split_index] != "train":
         return dataset
     return FIMDataset(dataset, fim, seed)
@@ -254,16 +245,8 @@ def build_train_valid_test_datasets(
     blend = [(w, MMapIndexedDataset(p)) for w, p in parse_data_prefix(data_prefix)]
     ranges = [split_document_ranges(split, len(ds)) for _, ds in blend]
     return tuple(
-        _build_split(
-            k,
-            [(w, ds, r[k]) for (w, ds), r in zip(blend, ranges)],
-            seq_length,
-            seed,
-            train_valid_test_num_samples[k],
-            cache_dir,
-            vocab_size,
-            fim,
-        )
+        _with_fim(k, _build_samples(k, [(w, ds, r[k]) for (w, ds), r in zip(blend, ranges)], seq_length, seed,
+                                    train_valid_test_num_samples[k], cache_dir, vocab_size), fim, seed)
         for k in range(3)
     )
 
@@ -288,15 +271,7 @@ def build_datasets_from_paths(
             continue
         blend = [(w, MMapIndexedDataset(p)) for w, p in parse_data_prefix(path)]
         datasets.append(
-            _build_split(
-                k,
-                [(w, ds, (0, len(ds))) for w, ds in blend],
-                seq_length,
-                seed,
-                train_valid_test_num_samples[k],
-                cache_dir,
-                vocab_size,
-                fim,
-            )
+            _with_fim(k, _build_samples(k, [(w, ds, (0, len(ds))) for w, ds in blend], seq_length, seed,
+                                        train_valid_test_num_samples[k], cache_dir, vocab_size), fim, seed)
         )
     return tuple(datasets)

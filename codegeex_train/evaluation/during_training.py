@@ -43,6 +43,12 @@ def humaneval_problems(languages: Sequence[str], problems: str | None, tasks: in
     return chosen
 
 
+def warn_if_unsafe(sandbox, what: str, records: str) -> None:
+    if sandbox is not None and sandbox.unsafe:
+        print(f"warning: --unsafe-no-sandbox: {what} samples run without isolation (sandbox: {UNSAFE}); the "
+              f"{records} records say so", flush=True)
+
+
 def humaneval_callback(engine, tokenizer, device, topology: Topology, *, tasks: int, max_new_tokens: int,
                        execute: bool, unsafe_no_sandbox: bool = False, languages: Sequence[str] = ("python",),
                        problems: str | None = None) -> Callable[[int], dict | None]:
@@ -61,9 +67,7 @@ def humaneval_callback(engine, tokenizer, device, topology: Topology, *, tasks: 
     # Built once (Go compiles testify here, a few seconds), for the run's lifetime.
     toolchains = {lang: Toolchain(lang, problems_by[lang].values()) for lang in problems_by
                   if lang != "python"} if sandbox is not None else {}
-    if sandbox is not None and sandbox.unsafe:
-        print(f"warning: --unsafe-no-sandbox: HumanEval samples run without isolation (sandbox: {UNSAFE}); "
-              f"the humaneval records say so", flush=True)
+    warn_if_unsafe(sandbox, "HumanEval", "humaneval")
 
     def evaluate(iteration: int) -> dict | None:
         if topology.dp_rank != 0:
@@ -113,9 +117,7 @@ def infilling_callback(engine, tokenizer, device, topology: Topology, *, benchma
                          "--fim-rate above 0?): a model never shown them cannot infill")
     params = infilling_params(max_new_tokens=max_new_tokens)
     sandbox = training_sandbox(unsafe_no_sandbox) if execute and topology.dp_rank == 0 else None
-    if sandbox is not None and sandbox.unsafe:
-        print(f"warning: --unsafe-no-sandbox: infilling samples run without isolation (sandbox: {UNSAFE}); the "
-              f"infilling records say so", flush=True)
+    warn_if_unsafe(sandbox, "infilling", "infilling")
 
     def evaluate(iteration: int) -> dict | None:
         if topology.dp_rank != 0:

