@@ -161,6 +161,9 @@ def init_distributed(parallel: ParallelConfig, dims: ParallelDims) -> tuple[Topo
     return Topology(dims, timeout=timeout), device
 
 
+CP_SEED_STRIDE = 100_003  # a prime far above 100 x PP: no (stage, CP rank) pair repeats another's seed
+
+
 def report_cluster(topology: Topology) -> dict:
     """Rank 0 prints the layout the ranks report; every rank returns it (run metadata)."""
     text, meta = cluster_report(gather_places(), topology.dims)
@@ -190,8 +193,10 @@ def main(argv: list[str] | None = None) -> TrainState:
     cluster = report_cluster(topology)
     t = args.train
     # Same default stream on every TP rank (replicated dropout), a per-TP-rank stream for sharded dropout;
-    # stages differ (Megatron's +100 per stage) so they do not repeat each other's masks.
-    tracker = model_parallel_seed(t.seed + 100 * topology.pp_rank, topology.tp_rank, device)
+    # stages differ (Megatron's +100 per stage) so they do not repeat each other's masks, and so do CP ranks (each
+    # holds other tokens of the sequence; CP rank 0 keeps the seed of a run without CP).
+    tracker = model_parallel_seed(t.seed + 100 * topology.pp_rank + CP_SEED_STRIDE * topology.cp_rank,
+                                  topology.tp_rank, device)
     model = CodeGeeXModel.for_rank(model_config, plan, topology, tracker, seed=t.seed, device=device)
     mark_shared_embedding_copy(model, topology)
     workload = Workload.from_run(model_config, plan, ds_config, device.type)

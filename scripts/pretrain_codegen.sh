@@ -4,6 +4,8 @@
 #   bash scripts/pretrain_codegen.sh                      # small CodeGeeX, stdlib corpus, CPU, 2 ranks, ~5 min
 #   PP=2 bash scripts/pretrain_codegen.sh                 # the same on CPU as a 2-stage pipeline (TP 1, PP 2)
 #   PP=2 VPP=1 bash scripts/pretrain_codegen.sh           # interleaved 1F1B: 2 chunks of 1 layer on each stage
+#   CP=2 SEQ_LENGTH=1024 bash scripts/pretrain_codegen.sh --position-embedding-type rope \
+#       --max-position-embeddings 1024                     # context parallelism: each sequence split over 2 ranks
 #   bash scripts/pretrain_codegen.sh                      # on a GPU node: every GPU nvidia-smi lists, bf16, NCCL
 #   DRY_RUN=1 bash scripts/pretrain_codegen.sh            # print the layout and the launch command; run nothing
 #   DEVICE=gpu NUM_GPUS=8 TP=8 bash scripts/pretrain_codegen.sh
@@ -25,6 +27,9 @@
 # pdsh/ssh; the ranks are its slots), TP, PP (stages; 39 layers split unevenly need
 # --decoder-first/last-pipeline-num-layers), VPP=N (interleaved 1F1B: --num-layers-per-virtual-pipeline-stage N,
 # N layers per model chunk, layers / (PP x N) chunks per stage; needs PP > 1 and MICRO_BATCHES divisible by PP),
+# CP (--context-parallel-size: each sequence split over CP ranks, two of 2 x CP chunks each; SEQ_LENGTH divisible
+# by 2 x CP; DP = ranks / (TP x CP x PP); long sequences also want e.g. --position-embedding-type rope
+# --max-position-embeddings SEQ_LENGTH among the arguments),
 # MICRO_BATCH, MICRO_BATCHES (micro-batches per step; default
 # PP), GLOBAL_BATCH (default: the config's, 1536 for codegeex-13b, and for the default config MICRO_BATCH x DP x
 # MICRO_BATCHES with DP = ranks / (TP x PP), so it follows the GPUs),
@@ -62,6 +67,7 @@ if [ -z "${DEVICE:-}" ]; then
 fi
 TP=${TP:-1}
 PP=${PP:-1}
+CP=${CP:-1}
 VPP=${VPP:-}
 PYTHON=${PYTHON:-python}
 
@@ -125,7 +131,7 @@ esac
 
 # Layout flags among the arguments override the variables (the last one wins in pretrain.py too), so that the
 # layout checked and printed here is the one that runs.
-USER_LOAD= ARGS_SP= ARGS_RECOMPUTE= ARGS_VPP=
+USER_LOAD= ARGS_SP= ARGS_RECOMPUTE= ARGS_VPP= ARGS_CP=
 ARGV=("$@")
 for ((i = 0; i < ${#ARGV[@]}; i++)); do
   flag=${ARGV[i]} value=${ARGV[i + 1]:-}
@@ -133,6 +139,8 @@ for ((i = 0; i < ${#ARGV[@]}; i++)); do
   case "$flag" in
     --tensor-model-parallel-size) TP=$value ;;
     --pipeline-model-parallel-size) PP=$value ;;
+    --context-parallel-size) CP=$value ARGS_CP=1 ;;
+    --seq-length) SEQ_LENGTH=$value ;;
     --num-layers-per-virtual-pipeline-stage) VPP=$value ARGS_VPP=1 ;;
     --num-layers) NUM_LAYERS=$value ;;
     --micro-batch-size) MICRO_BATCH=$value ;;
@@ -157,6 +165,8 @@ MEMORY_ARGS=()
 [ "$RECOMPUTE" != none ] && [ -z "${ARGS_RECOMPUTE:-}" ] && MEMORY_ARGS+=(--recompute-granularity "$RECOMPUTE")
 VPP_ARGS=()
 [ -n "$VPP" ] && [ -z "$ARGS_VPP" ] && VPP_ARGS=(--num-layers-per-virtual-pipeline-stage "$VPP")
+CP_ARGS=()  # only when asked: the default command line stays as it was
+[ "$CP" != 1 ] && [ -z "$ARGS_CP" ] && CP_ARGS=(--context-parallel-size "$CP")
 # e.g. LAUNCHER_ARGS="--master_addr 10.0.0.1 --master_port 29500 --ssh_port 2222" (word list)
 # shellcheck disable=SC2206
 EXTRA_LAUNCHER_ARGS=(${LAUNCHER_ARGS:-})
@@ -170,13 +180,17 @@ for ((i = 0; i < ${#EXTRA_LAUNCHER_ARGS[@]}; i++)); do
     --include | --exclude) SUBSET=$flag ;;
   esac
 done
-for name in TP PP VPP NUM_LAYERS MICRO_BATCH NUM_GPUS GLOBAL_BATCH MICRO_BATCHES LAUNCH_NODES LAUNCH_GPUS; do
+for name in TP PP CP VPP NUM_LAYERS MICRO_BATCH NUM_GPUS GLOBAL_BATCH MICRO_BATCHES LAUNCH_NODES LAUNCH_GPUS \
+    SEQ_LENGTH; do
   value=${!name:-}
   [ -z "$value" ] || [[ "$value" =~ ^[0-9]+$ ]] || die "$name=$value: not a whole number"
 done
-for name in TP PP VPP MICRO_BATCH GLOBAL_BATCH MICRO_BATCHES; do
+for name in TP PP CP VPP MICRO_BATCH GLOBAL_BATCH MICRO_BATCHES SEQ_LENGTH; do
   [ "${!name:-1}" -gt 0 ] || die "$name=${!name}: must be at least 1"
 done
+# Context parallelism (Megatron's rule): each sequence is cut into 2 x CP chunks, two per CP rank.
+(( SEQ_LENGTH % (2 * CP) == 0 )) || die "CP=$CP cuts SEQ_LENGTH $SEQ_LENGTH into $((2 * CP)) equal chunks" \
+  "(two per CP rank): use a SEQ_LENGTH divisible by $((2 * CP))"
 # Interleaved 1F1B (Megatron's rules): a pipeline, and the layers cut into PP x VPP-layer chunks.
 if [ -n "$VPP" ]; then
   [ "$PP" -gt 1 ] || die "VPP=$VPP (--num-layers-per-virtual-pipeline-stage) needs PP > 1: interleaving splits" \
@@ -211,10 +225,10 @@ if [ -n "$SUBSET" ]; then
   [ -n "${GLOBAL_BATCH:-}" ] || die "LAUNCHER_ARGS has $SUBSET: the number of ranks is unknown here, set GLOBAL_BATCH"
   DP="?" MICRO_BATCHES=${MICRO_BATCHES:-?} RANKS="? (LAUNCHER_ARGS $SUBSET)"
 else
-  # DP = ranks / (TP x PP); the default global batch follows it: MICRO_BATCH x DP x MICRO_BATCHES.
-  (( RANKS % (TP * PP) == 0 )) || die "TP $TP x PP $PP = $((TP * PP)) does not divide the $RANKS ranks" \
-    "($NODES node(s)): the data-parallel size would not be whole"
-  DP=$((RANKS / (TP * PP)))
+  # DP = ranks / (TP x CP x PP); the default global batch follows it: MICRO_BATCH x DP x MICRO_BATCHES.
+  (( RANKS % (TP * CP * PP) == 0 )) || die "TP $TP x CP $CP x PP $PP = $((TP * CP * PP)) does not divide the" \
+    "$RANKS ranks ($NODES node(s)): the data-parallel size would not be whole"
+  DP=$((RANKS / (TP * CP * PP)))
   PER_STEP=$((MICRO_BATCH * DP))
   if [ -n "${GLOBAL_BATCH:-}" ]; then
     (( GLOBAL_BATCH % PER_STEP == 0 )) || die "GLOBAL_BATCH $GLOBAL_BATCH is not divisible by MICRO_BATCH" \
@@ -298,6 +312,7 @@ command -v deepspeed >/dev/null 2>&1 || LAUNCHER=("$PYTHON" -m deepspeed.launche
 CMD=("${LAUNCHER[@]}" "$ROOT/codegeex_train/pretrain.py"
   $MODEL_ARGS $PRECISION_ARGS
   --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" "${VPP_ARGS[@]}" "${MEMORY_ARGS[@]}"
+  "${CP_ARGS[@]}"
   --seq-length "$SEQ_LENGTH" --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH"
   --train-iters "$TRAIN_ITERS" --lr "$LR" --min-lr "$MIN_LR" --lr-decay-style "$DECAY"
   --lr-warmup-iters "$WARMUP" --weight-decay 0.1 --clip-grad 1.0 --adam-beta2 0.95
@@ -308,7 +323,7 @@ CMD=("${LAUNCHER[@]}" "$ROOT/codegeex_train/pretrain.py"
   "$@")
 
 echo "codegeex_train: layout CONFIG=$CONFIG DEVICE=$DEVICE NODES=$NODES RANKS=$RANKS TP=$TP PP=$PP VPP=${VPP:-none}" \
-  "DP=$DP" \
+  "CP=$CP DP=$DP SEQ_LENGTH=$SEQ_LENGTH" \
   "MICRO_BATCH=$MICRO_BATCH MICRO_BATCHES=$MICRO_BATCHES GLOBAL_BATCH=$GLOBAL_BATCH SP=$SP RECOMPUTE=$RECOMPUTE"
 # Words as a shell reads them back: plain ones as they are, the rest quoted.
 shell_words() {
@@ -365,7 +380,8 @@ fi
 # Where everything is, and what to run next (with this run's layout: a checkpoint loads at the same TP and PP).
 TAG=$(cat "$OUTPUT_DIR/latest" 2>/dev/null || echo "(none: no checkpoint saved)")
 SAME=$([ "$CONFIG" = default ] || printf 'CONFIG=%s ' "$CONFIG"; [ "$TP" = 1 ] || printf 'TP=%s ' "$TP"
-       [ "$PP" = 1 ] || printf 'PP=%s ' "$PP"; [ -z "$VPP" ] || printf 'VPP=%s ' "$VPP")
+       [ "$PP" = 1 ] || printf 'PP=%s ' "$PP"; [ -z "$VPP" ] || printf 'VPP=%s ' "$VPP"
+       [ "$CP" = 1 ] || printf 'CP=%s ' "$CP")
 cat <<SUMMARY
 
 codegeex_train: finished (start: $START). Outputs in $OUTPUT_DIR:

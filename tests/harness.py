@@ -173,9 +173,10 @@ def _run_once(fn, dims: ParallelDims, kwargs: dict, deadline_s: float, collectiv
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, tp_size: int = 1, pp_size: int = 1, *,
-                    deadline_s: float = 180.0, collective_timeout_s: float = 60.0, **kwargs) -> list[Any]:
+                    cp_size: int = 1, deadline_s: float = 180.0, collective_timeout_s: float = 60.0,
+                    **kwargs) -> list[Any]:
     """Run ``fn(topology, **kwargs)`` on ``world_size`` gloo ranks; return each rank's result."""
-    dims = ParallelDims(world_size, tp_size, pp_size)
+    dims = ParallelDims(world_size, tp_size, pp_size, cp_size)
     for attempt in range(3):
         try:
             return _run_once(fn, dims, kwargs, deadline_s, collective_timeout_s)

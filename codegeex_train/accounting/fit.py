@@ -6,13 +6,14 @@ flags that would make it fit (``--skip-memory-check`` starts it anyway).
 What one rank needs (bytes):
 
   CPU   the tensors resident at the peak, the end of the last forward: weights, gradient partition, optimizer state,
-        the activations in flight and recompute's rebuild (``theory.memory_per_rank``, less the ZeRO reduce bucket:
-        DeepSpeed allocates it in backward, where it fills as the activations are freed, and only its touched pages
-        are resident) + FRAMEWORK_BYTES (what a rank's RSS grows by after the check beyond its tensors: DeepSpeed's
-        runtime imported at engine build, gloo, torch's compiler stack imported at the first step; measured on a
-        model whose tensors are negligible) + FRAGMENTATION x the activations when their hidden-state tensors
-        (b s h e) are below glibc's mmap threshold (distributed/malloc.py: they come from the heap, which a
-        training step fragments; larger ones are mmapped and go back to the system when freed).
+        the activations in flight, recompute's rebuild and the ring attention's block under CP
+        (``theory.memory_per_rank``, less the ZeRO reduce bucket: DeepSpeed allocates it in backward, where it fills
+        as the activations are freed, and only its touched pages are resident) + FRAMEWORK_BYTES (what a rank's
+        RSS grows by after the check beyond its tensors: DeepSpeed's runtime imported at engine build, gloo,
+        torch's compiler stack imported at the first step; measured on a model whose tensors are negligible) +
+        FRAGMENTATION x the activations when their hidden-state tensors (b s h e) are below glibc's mmap threshold
+        (distributed/malloc.py: they come from the heap, which a training step fragments; larger ones are mmapped and
+        go back to the system when freed).
         Ranks on one host share its memory: their needs are summed (LOCAL_WORLD_SIZE, LOCAL_SIZE or
         SLURM_NTASKS_PER_NODE ranks per host; all of them without). RLIMIT_AS is per process: a rank's need plus
         ADDRESS_SPACE_BYTES (thread stacks, malloc arenas: address space that is never resident).
@@ -65,10 +66,10 @@ def rank_need(w: Workload, pp_rank: int, offload_optimizer: bool = False) -> Ran
     p = memory_per_rank(w, pp_rank)
     if w.device == "cpu":
         r = w.tp_size if w.sp else 1
-        hidden_tensor = w.plan.micro_batch_size * w.seq_length * w.model.hidden_size * w.dtype_bytes // r
+        hidden_tensor = w.plan.micro_batch_size * w.local_seq_length * w.model.hidden_size * w.dtype_bytes // r
         fragmentation = int(FRAGMENTATION * p.activations) if hidden_tensor < THRESHOLD_BYTES else 0
         parts = {"weights": p.weights, "gradients": p.gradients, "optimizer": p.optimizer,
-                 "activations": p.activations + p.recompute, "framework": FRAMEWORK_BYTES,
+                 "activations": p.activations + p.recompute + p.ring_blocks, "framework": FRAMEWORK_BYTES,
                  "heap fragmentation": fragmentation}
         return RankNeed(host=sum(parts.values()), device=0, parts=parts)
     parts = p.as_dict()
@@ -194,17 +195,20 @@ def shortfalls(w: Workload, host: Host, index_bytes: int, memory, offload: bool 
     return out
 
 
-def _variant(w: Workload, tp: int, pp: int, micro: int, recompute: Recompute, sp: bool) -> Workload | None:
-    """``w`` at another layout (same global batch; an even layer split when PP changes), or None if training
-    would refuse it."""
+def _variant(w: Workload, tp: int, pp: int, micro: int, recompute: Recompute, sp: bool,
+             cp: int | None = None) -> Workload | None:
+    """``w`` at another layout (same global batch; an even layer split when PP changes; its CP unless ``cp``), or
+    None if training would refuse it."""
     plan = w.plan
+    cp = plan.dims.cp_size if cp is None else cp
     try:
-        dims = ParallelDims(plan.dims.world_size, tp, pp)
+        dims = ParallelDims(plan.dims.world_size, tp, pp, cp)
         w.model.validate(tp)
     except (ParallelConfigError, ModelConfigError):
         return None
     per_step = micro * dims.dp_size
-    if plan.global_batch_size % per_step or (sp and tp > 1 and w.seq_length % tp):
+    if (plan.global_batch_size % per_step or (cp > 1 and w.seq_length % (2 * cp))
+            or (sp and tp > 1 and w.seq_length // cp % tp)):
         return None
     m = plan.global_batch_size // per_step
     if pp == plan.dims.pp_size:
@@ -221,6 +225,7 @@ def _variant(w: Workload, tp: int, pp: int, micro: int, recompute: Recompute, sp
 def _flags(w: Workload, v: Workload) -> str:
     changes = []
     for flag, a, b in (("--tensor-model-parallel-size", w.tp_size, v.tp_size),
+                       ("--context-parallel-size", w.cp_size, v.cp_size),
                        ("--pipeline-model-parallel-size", w.pp_size, v.pp_size),
                        ("--micro-batch-size", w.plan.micro_batch_size, v.plan.micro_batch_size)):
         if a != b:
@@ -238,17 +243,18 @@ def _divisors(n: int, limit: int = 4096) -> list[int]:
 
 def suggestions(w: Workload, host: Host, index_bytes: int, memory, offload: bool = False) -> tuple[list[str], str]:
     """The mildest change of each kind (recompute, sequence parallelism, a smaller micro-batch, a larger TP, a larger
-    PP) that makes ``w`` fit, as flags; else all of them at once, if that fits. Second: when nothing fits, what the
-    most frugal layout would still need, in words."""
+    PP, a larger CP) that makes ``w`` fit, as flags; else all of them at once, if that fits. Second: when nothing
+    fits, what the most frugal layout would still need, in words."""
     world, gbs = w.plan.dims.world_size, w.plan.global_batch_size
     tp, pp, micro, rc, sp = w.tp_size, w.pp_size, w.plan.micro_batch_size, w.recompute, w.sp
     tps = [t for t in _divisors(host.local_world_size) if t > tp]  # TP stays inside a host
     pps = [p for p in _divisors(world) if p > pp]
+    cps = [c for c in _divisors(world) if c > w.cp_size and c & (c - 1) == 0]  # powers of two, as the planner's
     micros = [b for b in _divisors(gbs // w.plan.dims.dp_size) if b < micro][::-1]  # largest first
     recomputes = [] if rc.is_full else [r for r in (Recompute("selective"), Recompute.full()) if r != rc]
     kinds = ([(tp, pp, micro, r, sp) for r in recomputes], [(tp, pp, micro, rc, True)] if tp > 1 and not sp else [],
              [(tp, pp, b, rc, sp) for b in micros], [(t, pp, micro, rc, sp) for t in tps],
-             [(tp, p, micro, rc, sp) for p in pps])
+             [(tp, p, micro, rc, sp) for p in pps], [(tp, pp, micro, rc, sp, c) for c in cps])
     found = []
     for options in kinds:
         for option in options:
@@ -258,8 +264,8 @@ def suggestions(w: Workload, host: Host, index_bytes: int, memory, offload: bool
                 break
     if found:
         return found, ""
-    frugal = [v for t in [tp, *tps] for p in [pp, *pps]
-              if (v := _variant(w, t, p, min([micro, *micros]), Recompute.full(), True)) is not None]
+    frugal = [v for t in [tp, *tps] for p in [pp, *pps] for c in [w.cp_size, *cps]
+              if (v := _variant(w, t, p, min([micro, *micros]), Recompute.full(), True, c)) is not None]
     if not frugal:
         return [], ""
 

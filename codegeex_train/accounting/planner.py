@@ -1,4 +1,4 @@
-"""Layout planner: which (TP, PP, interleaving, DP, micro-batch, sequence parallelism, recompute) to use on a
+"""Layout planner: which (TP, CP, PP, interleaving, DP, micro-batch, sequence parallelism, recompute) to use on a
 cluster, from the shapes alone, before any GPU is booked.
 
     python -m codegeex_train.accounting.planner --config codegeex-13b --world-size 1536 --gpus-per-node 8 --gpu-memory-gb 32
@@ -22,10 +22,19 @@ would give training). The step-time estimate is a model, not a measurement; its 
   (p - 1) / (v m)) for v times the PP bytes and more activations in flight (``theory.activations_in_flight``);
 * TP all-reduces and PP sends are blocking in Megatron's schedule: on the critical path of every micro-batch;
   under SP so are the all-gathers and reduce-scatters that replace them and the re-gathers in backward;
+* context parallelism (CP n, ``--context-parallel-size``): each rank computes 1/n of every sequence's tokens (the
+  FLOPs / (t n)); every attention is a ring of n steps whose K/V hop (2 b (s/n) h e / t bytes, one way round the
+  ring, over the slower link of its TP x CP block of ranks) is posted before the step's block is computed, so a
+  hop costs only what exceeds its block: the own block (step 0: s/n x s/n scores per head, 4 b (s/n)^2 h / t
+  FLOPs forward) or a later one (half that), backward twice the forward's FLOPs and carrying K/V and dK/dV (two
+  hops a step), its last dK/dV hop exposed; re-run forwards (recompute) hide the same way. The ring computes the
+  masked half of its own block (the FLOP count's s^2 attention covers that). CP is listed when each rank keeps at
+  least ``MIN_CP_TOKENS`` tokens of a sequence;
 * collectives run as rings: a group of g ranks moves (g - 1) / g of the bytes ``theory`` counts per rank
   over the slowest link in the group (intra-node if the group sits in one node, else inter-node);
 * DP (ZeRO-2, ``overlap_comm``): gradient reduce-scatters hide behind backward compute up to its length
-  (the last bucket never does); the all-gather of updated weights after the step is exposed;
+  (the last bucket never does); the all-gather of updated weights after the step is exposed; under CP these run
+  over DP x CP (DeepSpeed's group then), a ring of d n ranks;
 * the tied word-embedding all-reduce (first and last stage) runs after the flush: exposed;
 * memory: the worst stage of ``theory.memory_per_rank`` plus ``--overhead-gb`` (CUDA context, NCCL buffers,
   allocator fragmentation), compared with ``--gpu-memory-gb``; memory is in GiB (a "32 GB" device has 32 GiB),
@@ -45,6 +54,7 @@ from codegeex_train.accounting.theory import (
     comm_bytes_per_step,
     dp_allgather_bytes,
     memory_per_rank,
+    recomputed_attentions,
     stage_parameters,
 )
 from codegeex_train.config.model_config import ModelConfig, ModelConfigError
@@ -55,6 +65,10 @@ from codegeex_train.model.flops import layer_forward_flops
 from codegeex_train.pipeline.stages import PipelineSplitError, stage_layer_counts
 
 GIB = 2**30
+# CP is listed when a rank keeps at least this many tokens of a sequence: below it a ring step's block (2 b (s/n)^2 h/t
+# FLOPs) cannot hide its K/V hop (2 b (s/n) h e/t bytes) on any link (they balance at s/n = e x FLOP/s / link bytes/s,
+# ~1,000 tokens on NVLink at A100 rates, ~8,000 on CodeGeeX's preset), and such sequences need no CP for memory.
+MIN_CP_TOKENS = 1024
 
 # CodeGeeX-13B as trained (THUDM/CodeGeeX README and paper): 39 layers + top query layer, h 5120, 40 heads,
 # ffn 20480, vocabulary padded to 52,224, sequence 2048, fp16, global batch 3,072 (micro-batch 16 on 192 DP
@@ -107,7 +121,7 @@ class Row:
     memory_gb: float  # GiB per GPU, worst stage, overhead included
     memory_parts: dict[str, int]  # bytes, worst stage (theory's parts)
     fits: bool
-    comm_bytes: dict[str, int]
+    comm_bytes: dict[str, int]  # tp, cp, pp, dp (ZeRO's group: DP x CP under CP), embedding
     bubble_fraction: float
     time_parts: dict[str, float] = field(default_factory=dict)  # seconds: compute, imbalance, bubble, tp, ...
     rank: int = 0  # 1-based position among the layouts that fit (0: does not fit)
@@ -143,6 +157,10 @@ class Row:
         return self.plan.num_chunks
 
     @property
+    def cp_size(self) -> int:
+        return self.plan.dims.cp_size
+
+    @property
     def layers_per_virtual_stage(self) -> int | None:
         """``--num-layers-per-virtual-pipeline-stage``: None without interleaving."""
         return len(self.plan.chunk_layers[0][0]) if self.num_chunks > 1 else None
@@ -164,8 +182,8 @@ class Row:
 
     @property
     def flags(self) -> list[str]:
-        """The training flags for interleaving, SP and recompute (the layer split: ``split_flags``)."""
-        flags = []
+        """The training flags for CP, interleaving, SP and recompute (the layer split: ``split_flags``)."""
+        flags = ["--context-parallel-size", str(self.cp_size)] if self.cp_size > 1 else []
         if self.num_chunks > 1:
             flags += ["--num-layers-per-virtual-pipeline-stage", str(self.layers_per_virtual_stage)]
         if self.sequence_parallel:
@@ -246,6 +264,34 @@ def _ring_seconds(counted_bytes: int, group: int, gbps: float) -> float:
     return counted_bytes * (group - 1) / group / (gbps * 1e9 / 8)
 
 
+def ring_exposed_seconds(hop: float, block: float, cp: int) -> tuple[float, float]:
+    """(forward, backward) seconds of one ring attention over ``cp`` ranks that its blocks do not hide, ``hop`` being
+    the seconds of one K/V transfer and ``block`` those of a later step's block forward (the own block, step 0's, is
+    twice that; a backward block twice its forward). Forward: step i < n - 1 posts the next hop, then computes.
+    Backward: step 0 posts K/V, steps 1 .. n - 2 K/V and the dK/dV sum (two hops), step n - 1 the sum; the sum's
+    last hop home follows the last block, exposed."""
+    if cp == 1:
+        return 0.0, 0.0
+    own = 2 * block
+    forward = max(0.0, hop - own) + (cp - 2) * max(0.0, hop - block)
+    backward = (max(0.0, hop - 2 * own) + (cp - 2) * max(0.0, 2 * hop - 2 * block) + max(0.0, hop - 2 * block)
+                + hop)
+    return forward, backward
+
+
+def _ring_attention_seconds(w: Workload, pp_rank: int, flops_per_s: float, gbps: float) -> float:
+    """Exposed ring seconds of one micro-batch on stage ``pp_rank``: each attention's forward and backward, and the
+    forwards recomputation re-runs (``ring_exposed_seconds``)."""
+    if w.cp_size == 1:
+        return 0.0
+    b, s, h, t = w.plan.micro_batch_size, w.local_seq_length, w.model.hidden_size, w.tp_size
+    hop = 2 * b * s * h * w.dtype_bytes / t / (gbps * 1e9 / 8)  # K and V of this rank's heads and tokens
+    block = 2 * b * s * s * h / t / flops_per_s  # s/n queries x s/(2n) keys: 2 matmuls of 2 FLOPs per MAC
+    forward, backward = ring_exposed_seconds(hop, block, w.cp_size)
+    attentions = w.layers_on(pp_rank) + w.top_query_on(pp_rank)
+    return attentions * (forward + backward) + recomputed_attentions(w, pp_rank) * forward
+
+
 def _layer_ranges(counts: tuple[int, ...]) -> tuple[range, ...]:
     """Layers per stage -> each stage's global layer numbers, as ``pipeline.stages.stage_layer_ranges``."""
     return tuple(range(end - n, end) for n, end in zip(counts, accumulate(counts)))
@@ -254,12 +300,13 @@ def _layer_ranges(counts: tuple[int, ...]) -> tuple[range, ...]:
 def estimate_layout(model: ModelConfig, cluster: Cluster, *, seq_length: int, global_batch_size: int, tp: int,
                     pp: int, micro_batch_size: int, recompute: Recompute = Recompute(),
                     sequence_parallel: bool = False, dtype_bytes: int = 2,
-                    stage_layers: tuple[int, ...] | None = None, num_chunks: int = 1, device: str = "cuda") -> Row:
+                    stage_layers: tuple[int, ...] | None = None, num_chunks: int = 1, device: str = "cuda",
+                    cp: int = 1) -> Row:
     """Memory, traffic and step time of one layout (no constraint checks beyond the arithmetic).
     ``stage_layers``: layers per stage; default the split with the fastest slowest stage, or with ``num_chunks``
     v > 1 (interleaved 1F1B) the even split into p x v chunks. ``device``: "cuda" or "cpu" (the accounting's
-    device; a cluster without fused attention overrides it)."""
-    dims = ParallelDims(cluster.world_size, tp, pp)
+    device; a cluster without fused attention overrides it). ``cp``: the context-parallel size."""
+    dims = ParallelDims(cluster.world_size, tp, pp, cp)
     dp = dims.dp_size
     m = global_batch_size // (micro_batch_size * dp)
     counts = stage_layers
@@ -277,28 +324,32 @@ def estimate_layout(model: ModelConfig, cluster: Cluster, *, seq_length: int, gl
     worst = max(stages, key=lambda i: mems[i].total)
     memory_gb = mems[worst].total / GIB + cluster.overhead_gb
 
-    # Per micro-batch and stage: compute, then the blocking TP all-reduces and PP sends.
+    # Per micro-batch and stage: compute, then the blocking TP all-reduces and PP sends, the ring's exposed hops.
     flops_per_s = cluster.peak_tflops * 1e12 * cluster.efficiency
     pipeline_inter = _spans_nodes(cluster.world_size, cluster.gpus_per_node)  # PP is the outermost dimension
-    dp_inter = _spans_nodes(tp * dp, cluster.gpus_per_node)
+    dp_inter = _spans_nodes(tp * cp * dp, cluster.gpus_per_node)  # ZeRO's group: DP x CP
+    cp_gbps = cluster.inter_node_gbps if _spans_nodes(tp * cp, cluster.gpus_per_node) else cluster.intra_node_gbps
     flops = [_stage_flops(model, n, i == pp - 1, micro_batch_size, seq_length, recompute)
              for i, n in enumerate(counts)]
-    compute = [sum(f) / tp / flops_per_s for f in flops]
+    compute = [sum(f) / (tp * cp) / flops_per_s for f in flops]
     tp_s = [_ring_seconds(c["tp"] // m, tp, cluster.intra_node_gbps) for c in comms]  # TP <= one node
+    cp_s = [_ring_attention_seconds(w, i, flops_per_s, cp_gbps) for i in stages]
     pp_s = [c["pp"] / m / ((cluster.inter_node_gbps if pipeline_inter else cluster.intra_node_gbps) * 1e9 / 8)
             for c in comms]
-    per_mb = [compute[i] + tp_s[i] + pp_s[i] for i in stages]
+    per_mb = [compute[i] + tp_s[i] + cp_s[i] + pp_s[i] for i in stages]
     slow = max(stages, key=lambda i: per_mb[i])
     mean_compute = sum(compute) / pp
 
-    # After the flush: ZeRO-2's DP traffic and the tied-embedding all-reduce, on the worst stage.
+    # After the flush: ZeRO-2's DP (x CP) traffic and the tied-embedding all-reduce, on the worst stage.
+    zero = dp * cp  # the group ZeRO reduces over
+
     def after_flush(i: int) -> tuple[float, float]:
         dp_gbps = cluster.inter_node_gbps if dp_inter else cluster.intra_node_gbps
         gather = dp_allgather_bytes(w, i)
-        reduce = _ring_seconds(comms[i]["dp"] - gather, dp, dp_gbps)
-        bucket = _ring_seconds(min(w.reduce_bucket_size, stage_parameters(w, i)) * dtype_bytes * 2, dp, dp_gbps)
+        reduce = _ring_seconds(comms[i][w.dp_group] - gather, zero, dp_gbps)
+        bucket = _ring_seconds(min(w.reduce_bucket_size, stage_parameters(w, i)) * dtype_bytes * 2, zero, dp_gbps)
         backward = m * compute[i] * (2 * flops[i][0] / 3) / sum(flops[i])  # the backward's share
-        exposed_dp = max(reduce - backward, min(bucket, reduce)) + _ring_seconds(gather, dp, dp_gbps)
+        exposed_dp = max(reduce - backward, min(bucket, reduce)) + _ring_seconds(gather, zero, dp_gbps)
         emb = _ring_seconds(comms[i]["embedding"], 2,
                             cluster.inter_node_gbps if pipeline_inter else cluster.intra_node_gbps)
         return exposed_dp, emb
@@ -310,11 +361,14 @@ def estimate_layout(model: ModelConfig, cluster: Cluster, *, seq_length: int, gl
         "imbalance": m * (compute[slow] - mean_compute),
         "bubble": (pp - 1) * per_mb[slow] / num_chunks,  # interleaved: p - 1 slots of one chunk, 1/v of a stage
         "tp": m * tp_s[slow],
+        "cp": m * cp_s[slow],
         "pp": m * pp_s[slow],
         "dp": flush[last][0],
         "embedding": flush[last][1],
     }
-    bytes_ = {g: max(c[g] for c in comms) for g in comms[0]}
+    # by group, ZeRO's under "dp" (DP x CP's under CP), "cp" 0 at CP 1
+    bytes_ = {g: max(c.get(g, 0) for c in comms) for g in ("tp", "cp", "pp", "embedding")}
+    bytes_["dp"] = max(c[w.dp_group] for c in comms)
     return Row(plan=plan, parameters=max(stage_parameters(w, i) for i in stages), memory_gb=memory_gb,
                memory_parts=mems[worst].as_dict(), fits=memory_gb <= cluster.gpu_memory_gb,
                comm_bytes=bytes_, bubble_fraction=(pp - 1) / (num_chunks * m), time_parts=parts)
@@ -329,28 +383,43 @@ def chunk_counts(num_layers: int, pp: int, num_microbatches: int) -> list[int]:
     return [1] + [num_layers // (pp * n) for n in range(num_layers // (2 * pp), 0, -1) if num_layers % (pp * n) == 0]
 
 
+def context_parallel_sizes(seq_length: int, world_size: int) -> list[int]:
+    """The CP sizes the planner lists: 1, and each power of two n dividing the GPUs whose 2n chunks split the
+    sequence (training's rule) with at least ``MIN_CP_TOKENS`` tokens per rank."""
+    sizes, n = [1], 2
+    while seq_length // n >= MIN_CP_TOKENS and world_size % n == 0:
+        if seq_length % (2 * n) == 0:
+            sizes.append(n)
+        n *= 2
+    return sizes
+
+
 def candidate_layouts(model: ModelConfig, cluster: Cluster, seq_length: int, global_batch_size: int,
-                      micro_batch_sizes: list[int] | None = None):
-    """(tp, pp, micro, v) that training would accept: TP divides the heads, the MLP and the padded vocabulary (the
-    shards) and the node (TP stays on NVLink); PP <= layers; DP = world / (TP x PP) whole; the global batch
-    divides by micro x DP (a whole number of micro-batches per DP rank); v from ``chunk_counts``."""
+                      micro_batch_sizes: list[int] | None = None, cp_sizes: list[int] | None = None):
+    """(tp, cp, pp, micro, v) that training would accept: TP divides the heads, the MLP and the padded vocabulary
+    (the shards) and the node (TP stays on NVLink); CP from ``cp_sizes`` (default ``context_parallel_sizes``); PP <=
+    layers; DP = world / (TP x CP x PP) whole; the global batch divides by micro x DP (a whole number of
+    micro-batches per DP rank); v from ``chunk_counts``."""
     world = cluster.world_size
     for tp in range(1, cluster.gpus_per_node + 1):
         if (cluster.gpus_per_node % tp or model.num_attention_heads % tp or model.ffn_hidden_size % tp
                 or model.padded_vocab_size % tp or world % tp):
             continue
-        for pp in range(1, min(model.num_layers, world // tp) + 1):
-            if world % (tp * pp):
+        for cp in cp_sizes or context_parallel_sizes(seq_length, world):
+            if world % (tp * cp) or seq_length % (2 * cp if cp > 1 else 1):
                 continue
-            dp = world // (tp * pp)
-            if global_batch_size % dp:
-                continue
-            per_dp = global_batch_size // dp
-            micros = micro_batch_sizes or [1 << k for k in range(per_dp.bit_length()) if per_dp % (1 << k) == 0]
-            for b in micros:
-                if per_dp % b == 0:
-                    for v in chunk_counts(model.num_layers, pp, per_dp // b):
-                        yield tp, pp, b, v
+            for pp in range(1, min(model.num_layers, world // (tp * cp)) + 1):
+                if world % (tp * cp * pp):
+                    continue
+                dp = world // (tp * cp * pp)
+                if global_batch_size % dp:
+                    continue
+                per_dp = global_batch_size // dp
+                micros = micro_batch_sizes or [1 << k for k in range(per_dp.bit_length()) if per_dp % (1 << k) == 0]
+                for b in micros:
+                    if per_dp % b == 0:
+                        for v in chunk_counts(model.num_layers, pp, per_dp // b):
+                            yield tp, cp, pp, b, v
 
 
 RECOMPUTES = (Recompute(), Recompute("selective"), Recompute.full())  # none, selective (core_attn), full
@@ -359,17 +428,19 @@ RECOMPUTES = (Recompute(), Recompute("selective"), Recompute.full())  # none, se
 def rank_layouts(model: ModelConfig, cluster: Cluster, *, seq_length: int, global_batch_size: int,
                  micro_batch_sizes: list[int] | None = None, dtype_bytes: int = 2,
                  recomputes: tuple[Recompute, ...] = RECOMPUTES,
-                 sequence_parallel: tuple[bool, ...] = (False, True)) -> list[Row]:
-    """Every valid layout (interleaved or not) with each recompute choice, and with and without sequence
-    parallelism where TP > 1 divides the sequence: fitting ones first ranked by estimated step time (``rank`` 1, 2,
-    ...), then the ones that do not fit, by memory."""
+                 sequence_parallel: tuple[bool, ...] = (False, True), cp_sizes: list[int] | None = None) -> list[Row]:
+    """Every valid layout (interleaved or not, with each CP size of ``cp_sizes``, default
+    ``context_parallel_sizes``) with each recompute choice, and with and without sequence parallelism where TP > 1
+    divides a rank's tokens: fitting ones first ranked by estimated step time (``rank`` 1, 2, ...), then the ones
+    that do not fit, by memory."""
     model.validate()
     model.check_sequence_length(seq_length)
     rows = [estimate_layout(model, cluster, seq_length=seq_length, global_batch_size=global_batch_size, tp=tp,
                             pp=pp, micro_batch_size=b, recompute=rc, sequence_parallel=sp, dtype_bytes=dtype_bytes,
-                            num_chunks=v)
-            for tp, pp, b, v in candidate_layouts(model, cluster, seq_length, global_batch_size, micro_batch_sizes)
-            for sp in sequence_parallel if not sp or (tp > 1 and seq_length % tp == 0)
+                            num_chunks=v, cp=cp)
+            for tp, cp, pp, b, v in candidate_layouts(model, cluster, seq_length, global_batch_size,
+                                                      micro_batch_sizes, cp_sizes)
+            for sp in sequence_parallel if not sp or (tp > 1 and seq_length // cp % tp == 0)
             for rc in recomputes]
     fit = sorted((r for r in rows if r.fits), key=lambda r: r.step_time)
     for i, r in enumerate(fit, 1):
@@ -379,8 +450,9 @@ def rank_layouts(model: ModelConfig, cluster: Cluster, *, seq_length: int, globa
 
 # ---------------------------------------------------------------------------------------------------- CLI
 
-COLUMNS = ("#", "TP", "PP", "v", "DP", "micro", "m", "SP", "recompute", "layers", "mem GiB", "TP GB", "PP GB", "DP GB",
-           "emb GB", "bubble", "step s", "compute", "imbal", "bubble s", "tp s", "pp s", "dp s", "emb s")
+COLUMNS = ("#", "TP", "PP", "v", "DP", "micro", "m", "SP", "recompute", "CP", "layers", "mem GiB", "TP GB", "CP GB",
+           "PP GB", "DP GB", "emb GB", "bubble", "step s", "compute", "imbal", "bubble s", "tp s", "cp s", "pp s",
+           "dp s", "emb s")
 
 
 def format_table(rows: list[Row]) -> str:
@@ -389,9 +461,10 @@ def format_table(rows: list[Row]) -> str:
         t, layout, dims = r.time_parts, r.plan, r.plan.dims
         return [str(r.rank or "-"), str(dims.tp_size), str(dims.pp_size), str(r.num_chunks), str(dims.dp_size),
                 str(layout.micro_batch_size), str(layout.num_microbatches),
-                "yes" if r.sequence_parallel else "no", r.recompute_name, r.split, f"{r.memory_gb:.1f}",
-                gb["tp"], gb["pp"], gb["dp"], gb["embedding"], f"{r.bubble_fraction:.2f}", f"{r.step_time:.2f}",
-                *(f"{t[k]:.2f}" for k in ("compute", "imbalance", "bubble", "tp", "pp", "dp", "embedding"))]
+                "yes" if r.sequence_parallel else "no", r.recompute_name, str(r.cp_size), r.split,
+                f"{r.memory_gb:.1f}", gb["tp"], gb["cp"], gb["pp"], gb["dp"], gb["embedding"],
+                f"{r.bubble_fraction:.2f}", f"{r.step_time:.2f}",
+                *(f"{t[k]:.2f}" for k in ("compute", "imbalance", "bubble", "tp", "cp", "pp", "dp", "embedding"))]
 
     table = [list(COLUMNS)] + [cells(r) for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(COLUMNS))]
@@ -416,8 +489,8 @@ def _positive(kind):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m codegeex_train.accounting.planner",
-                description="Rank (TP, PP, v, DP, micro-batch, sequence parallelism, recompute) layouts by estimated "
-                            "step time.")
+                description="Rank (TP, CP, PP, v, DP, micro-batch, sequence parallelism, recompute) layouts by "
+                            "estimated step time.")
     p.add_argument("--config", choices=sorted(PRESETS), help="a model + cluster preset; flags given override it")
     pint, pfloat = _positive(int), _positive(float)
     m = p.add_argument_group("model (the training CLI's flags)")
@@ -426,9 +499,14 @@ def build_parser() -> argparse.ArgumentParser:
         m.add_argument(flag, type=pint)
     m.add_argument("--make-vocab-size-divisible-by", type=pint, default=128)
     m.add_argument("--no-top-query-layer", action="store_true", help="a plain GPT (no CodeGeeX top query layer)")
+    m.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"),
+                   help="rope: no position table, a one-row top query table (default learned_absolute)")
     m.add_argument("--micro-batch-size", type=pint, nargs="+", help="candidates (default: powers of two)")
     m.add_argument("--tensor-model-parallel-size", type=pint, help="show only this TP (ranks stay global)")
     m.add_argument("--pipeline-model-parallel-size", type=pint, help="show only this PP")
+    m.add_argument("--context-parallel-size", type=pint,
+                   help=f"show only this CP (default: 1 and the powers of two that leave each rank at least "
+                        f"{MIN_CP_TOKENS} tokens of a sequence)")
     m.add_argument("--num-layers-per-virtual-pipeline-stage", type=pint,
                    help="show only interleaved 1F1B layouts with this many layers per model chunk (the column v "
                         "is the chunks per rank: layers / (PP x this))")
@@ -472,26 +550,33 @@ def main(argv: list[str] | None = None) -> None:
                         max_position_embeddings=values.get("max_position_embeddings", values["seq_length"]),
                         make_vocab_size_divisible_by=values["make_vocab_size_divisible_by"],
                         top_query_layer=not values["no_top_query_layer"],
+                        position_embedding_type=values.get("position_embedding_type", "learned_absolute"),
                         vocab_size=values["vocab_size"])
     cluster = Cluster(**{k: values[k] for k in ("world_size", "gpus_per_node", "gpu_memory_gb", "peak_tflops",
                                                 "intra_node_gbps", "inter_node_gbps", "efficiency", "overhead_gb",
                                                 "fused_attention")
                          if k in values})
     dtype = values.get("dtype", "bf16")
+    only_cp, seq = values.get("context_parallel_size"), values["seq_length"]
+    if only_cp is not None and only_cp > 1 and seq % (2 * only_cp):
+        p.error(f"--context-parallel-size {only_cp} cuts --seq-length {seq} into {2 * only_cp} chunks: not "
+                f"divisible; use a CP that divides --seq-length / 2")
+    cp_sizes = None if only_cp is None else sorted({*context_parallel_sizes(seq, cluster.world_size), only_cp})
     try:
-        rows = rank_layouts(model, cluster, seq_length=values["seq_length"],
-                            global_batch_size=values["global_batch_size"],
-                            micro_batch_sizes=values.get("micro_batch_size"), dtype_bytes=4 if dtype == "fp32" else 2)
+        rows = rank_layouts(model, cluster, seq_length=seq, global_batch_size=values["global_batch_size"],
+                            micro_batch_sizes=values.get("micro_batch_size"), dtype_bytes=4 if dtype == "fp32" else 2,
+                            cp_sizes=cp_sizes)
     except (ModelConfigError, PlanError) as e:
         p.error(str(e))
     if not rows:
         p.error(f"no layout: --world-size {cluster.world_size} and --global-batch-size "
-                f"{values['global_batch_size']} admit no TP x PP x DP with a whole number of micro-batches")
+                f"{values['global_batch_size']} admit no TP x CP x PP x DP with a whole number of micro-batches")
     only_tp, only_pp = values.get("tensor_model_parallel_size"), values.get("pipeline_model_parallel_size")
     only_sp, only_rc = values.get("sequence_parallel"), values.get("recompute_granularity")
     only_vpp = values.get("num_layers_per_virtual_pipeline_stage")
     shown = [r for r in rows if (args.all or r.fits) and only_tp in (None, r.plan.dims.tp_size)
              and only_pp in (None, r.plan.dims.pp_size) and only_vpp in (None, r.layers_per_virtual_stage)
+             and only_cp in (None, r.cp_size)
              and only_sp in (None, "yes" if r.sequence_parallel else "no")
              and only_rc in (None, r.recompute_name)][:args.top]
     fitting = sum(r.fits for r in rows)
@@ -504,8 +589,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{fitting} of {len(rows)} layouts fit; bytes per rank per step (GB), times in seconds per step")
     if not fitting and not args.all:
         smallest, layout = rows[0], rows[0].plan
-        print(f"nothing fits: the smallest needs {smallest.memory_gb:.1f} GiB (TP {layout.dims.tp_size} PP "
-              f"{layout.dims.pp_size} micro {layout.micro_batch_size} SP "
+        print(f"nothing fits: the smallest needs {smallest.memory_gb:.1f} GiB (TP {layout.dims.tp_size} CP "
+              f"{layout.dims.cp_size} PP {layout.dims.pp_size} micro {layout.micro_batch_size} SP "
               f"{'yes' if smallest.sequence_parallel else 'no'} recompute {smallest.recompute_name}); see --all")
         return
     print(format_table(shown))

@@ -7,6 +7,12 @@ Notation (seed 000): b micro-batch, s sequence, h hidden, a heads, f MLP width (
 TP/PP/DP sizes, m micro-batches per step, e bytes per element of the compute dtype, phi = b*s*h*e; r = t under
 sequence parallelism (the LayerNorms, dropouts and residual adds hold s/t of the sequence), else 1; v model chunks
 per pipeline rank (interleaved 1F1B; 1 without it), chunk c of rank i being virtual stage c*p + i.
+
+Context parallelism (CP size n, ``--context-parallel-size``): a rank holds s/n tokens of every sequence (two of 2n
+chunks, context_parallel/chunks.py) and its layers see only those, so every formula below reads s as the rank's
+local length s/n (``Workload.local_seq_length``), phi included; attention becomes the K/V ring
+(context_parallel/ring_attention.py: its bytes in the group "cp", no s x s kept); ZeRO reduces and partitions over
+DP x CP (d n ranks, the group "dp_cp"). CP 1 is exactly the formulas without it.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from codegeex_train.config.model_config import ModelConfig
 from codegeex_train.config.plan import ParallelPlan
 from codegeex_train.config.recompute import Recompute
+from codegeex_train.context_parallel import ring_attention_bytes
 from codegeex_train.pipeline.schedules import interleaved_one_f_one_b
 from codegeex_train.pipeline.stages import chunked_stage_layers, rank_chunk_layers
 
@@ -82,8 +89,12 @@ class Workload:
             raise ValueError(f"{num_layers} layers do not split into {pp} pipeline stages as "
                              f"{list(given) or 'evenly'}: give the plan's stage_layers, one range per stage, "
                              f"covering every layer once")
-        if self.sp and self.seq_length % self.tp_size:
-            raise ValueError(f"--sequence-parallel splits --seq-length {self.seq_length} over "
+        if self.cp_size > 1 and self.seq_length % (2 * self.cp_size):
+            raise ValueError(f"--context-parallel-size {self.cp_size} cuts --seq-length {self.seq_length} into "
+                             f"{2 * self.cp_size} chunks: not divisible")
+        if self.sp and self.local_seq_length % self.tp_size:
+            raise ValueError(f"--sequence-parallel splits the {self.local_seq_length} tokens a rank holds "
+                             f"(--seq-length {self.seq_length} / --context-parallel-size {self.cp_size}) over "
                              f"--tensor-model-parallel-size {self.tp_size}: not divisible")
         # frozen: set once, here, so that the formulas read the split from the plan alone
         object.__setattr__(self, "plan", replace(self.plan, stage_layers=tuple(ranges), chunk_layers=chunks))
@@ -92,12 +103,20 @@ class Workload:
     tp_size = property(lambda self: self.plan.dims.tp_size)
     pp_size = property(lambda self: self.plan.dims.pp_size)
     dp_size = property(lambda self: self.plan.dims.dp_size)
+    cp_size = property(lambda self: self.plan.dims.cp_size)  # n
+    dp_cp_size = property(lambda self: self.plan.dims.dp_cp_size)  # ZeRO's group: d n
     num_chunks = property(lambda self: self.plan.num_chunks)  # v
-    seq_length = property(lambda self: self.plan.seq_length)  # s
+    seq_length = property(lambda self: self.plan.seq_length)  # s, the whole sequence
+    local_seq_length = property(lambda self: self.plan.local_seq_length)  # s/n: the tokens the formulas' s counts
     dtype_bytes = property(lambda self: self.plan.dtype_bytes)  # e
     sequence_parallel = property(lambda self: self.plan.sequence_parallel)
     recompute = property(lambda self: self.plan.recompute)
     sp = property(lambda self: self.plan.sp)  # sequence parallelism in effect (TP > 1)
+
+    @property
+    def dp_group(self) -> str:
+        """The group ZeRO reduces gradients over, as ``Topology.named_groups`` names it: DP, or DP x CP under CP."""
+        return "dp_cp" if self.cp_size > 1 else "dp"
 
     @property
     def checkpoint_activations(self) -> bool:
@@ -132,8 +151,12 @@ class Workload:
     def describe(self) -> str:
         """The training options the formulas depend on, in words: for reports."""
         interleaved = f", interleaved 1F1B with {self.num_chunks} chunks per rank" if self.num_chunks > 1 else ""
+        if self.cp_size > 1:
+            attention = f"ring attention over CP {self.cp_size} ({self.local_seq_length} tokens per rank)"
+        else:
+            attention = f"{'fused' if fused_attention(self) else 'unfused (s x s kept)'} attention"
         return (f"sequence parallel {'on' if self.sp else 'off'}, recompute {self.recompute.describe()}, "
-                f"{'fused' if fused_attention(self) else 'unfused (s x s kept)'} attention{interleaved}")
+                f"{attention}{interleaved}")
 
 
 # --------------------------------------------------------------------------------------------- parameters
@@ -148,15 +171,16 @@ def layer_parameters(model: ModelConfig, tp: int) -> int:
 
 def stage_parameters(w: Workload, pp_rank: int) -> int:
     """Parameters held by one rank of stage ``pp_rank`` (both tied copies of the word table count: each end
-    holds, trains and stores its own)."""
+    holds, trains and stores its own). Under RoPE there is no position table and the top query table has one row
+    (``ModelConfig.position_table_rows``, ``top_query_rows``)."""
     m, h = w.model, w.model.hidden_size
     n = w.layers_on(pp_rank) * layer_parameters(m, w.tp_size)
     if w.first(pp_rank):
-        n += m.padded_vocab_size // w.tp_size * h + m.max_position_embeddings * h
+        n += m.padded_vocab_size // w.tp_size * h + m.position_table_rows * h
     if w.last(pp_rank):
         n += 2 * h  # final LayerNorm
         if m.top_query_layer:
-            n += m.max_position_embeddings * h + layer_parameters(m, w.tp_size)
+            n += m.top_query_rows * h + layer_parameters(m, w.tp_size)
         if not w.first(pp_rank):
             n += m.padded_vocab_size // w.tp_size * h  # the output layer's copy of the word table
     return n
@@ -168,8 +192,10 @@ def largest_parameter(w: Workload, pp_rank: int) -> int:
     sizes = [3 * h * h // t, h * m.ffn_hidden_size // t] if w.layers_on(pp_rank) or w.last(pp_rank) else [0]
     if w.first(pp_rank) or w.last(pp_rank):
         sizes.append(m.padded_vocab_size // t * h)
-    if w.first(pp_rank) or (w.last(pp_rank) and m.top_query_layer):
-        sizes.append(m.max_position_embeddings * h)
+    if w.first(pp_rank):
+        sizes.append(m.position_table_rows * h)
+    if w.last(pp_rank) and m.top_query_layer:
+        sizes.append(m.top_query_rows * h)
     return max(sizes)
 
 
@@ -183,17 +209,19 @@ def sequence_parallel_parameters(w: Workload, pp_rank: int) -> int:
     m, h = w.model, w.model.hidden_size
     n = (w.layers_on(pp_rank) + w.top_query_on(pp_rank)) * 6 * h
     if w.first(pp_rank):
-        n += m.max_position_embeddings * h
+        n += m.position_table_rows * h
     if w.last(pp_rank):
-        n += 2 * h + (m.max_position_embeddings * h if m.top_query_layer else 0)
+        n += 2 * h + (m.top_query_rows * h if m.top_query_layer else 0)
     return n
 
 
 # ------------------------------------------------------------------------------------------ communication
 
-GROUPS = ("tp", "pp", "dp", "embedding")
+GROUPS = ("tp", "pp", "dp", "embedding")  # and, under CP, "cp" and "dp_cp"
 # The TP bytes of one micro-batch, by cause (tp_bytes_per_microbatch).
 TP_TERMS = ("activations", "loss", "recompute", "sp_regather", "sp_parameter_gradients")
+# The CP bytes of one micro-batch, by cause (cp_bytes_per_microbatch).
+CP_TERMS = ("forward", "backward", "recompute")
 
 
 def tp_bytes_per_microbatch(w: Workload, pp_rank: int = 0) -> dict[str, int]:
@@ -218,12 +246,13 @@ def tp_bytes_per_microbatch(w: Workload, pp_rank: int = 0) -> dict[str, int]:
                   backward, in the parameters' dtype: 2 x their elements x e (``sequence_parallel_parameters``).
 
     So SP = the TP activation bytes (unchanged) + the re-gathers + the SP-parameter gradients (+ phi per
-    recomputed top query layer)."""
+    recomputed top query layer). Under CP every term but the last moves the rank's s/n tokens; the loss needs no
+    CP collective (each rank divides by the micro-batch's whole token count)."""
     m = w.model
     terms = dict.fromkeys(TP_TERMS, 0)
     if w.tp_size == 1:
         return terms
-    b, s, e = w.plan.micro_batch_size, w.seq_length, w.dtype_bytes
+    b, s, e = w.plan.micro_batch_size, w.local_seq_length, w.dtype_bytes
     phi = b * s * m.hidden_size * e
     layers, top_query = w.layers_on(pp_rank), w.top_query_on(pp_rank)
     terms["activations"] = (layers + top_query) * 8 * phi + (2 * phi if top_query else 0)
@@ -243,41 +272,80 @@ def tp_bytes_per_microbatch(w: Workload, pp_rank: int = 0) -> dict[str, int]:
     return terms
 
 
+def recomputed_attentions(w: Workload, pp_rank: int = 0) -> int:
+    """Attentions of stage ``pp_rank`` whose forward runs again in backward, per micro-batch: full recompute's
+    recomputed layers (and the top query layer when a unit covers it), or every attention under selective
+    recompute of ``core_attn`` (its ``checkpoint`` re-runs the attention core itself)."""
+    rc, sizes, top_query = w.recompute, w.chunk_sizes(pp_rank), w.top_query_on(pp_rank)
+    if rc.selects("core_attn"):
+        return w.layers_on(pp_rank) + top_query
+    recomputed = sum(full_unit_counts(rc, n)[1] for n in sizes)
+    return recomputed + (1 if top_query and rc.covers_top_query_layer(sizes[-1]) else 0)
+
+
+def cp_bytes_per_microbatch(w: Workload, pp_rank: int = 0) -> dict[str, int]:
+    """Bytes one rank of stage ``pp_rank`` sends in its CP group per micro-batch, by cause: every attention (each
+    layer's and the top query layer's) is one ring attention over the n CP ranks (context_parallel/ring_attention.py,
+    ``ring_attention_bytes``), its K/V and dK/dV (b, a/t, s/n, h/a) in the compute dtype, kv = 2 b (s/n) h e / t:
+
+    forward    n - 1 hops of this rank's K and V: (n - 1) kv per attention
+    backward   n - 1 hops of K and V again and n of the travelling dK/dV (the last one home): (2n - 1) kv
+    recompute  the forward's n - 1 hops again for each attention recomputation re-runs (``recomputed_attentions``)
+
+    Nothing at CP 1. Sent with batch_isend_irecv, counted by its sender."""
+    terms = dict.fromkeys(CP_TERMS, 0)
+    if w.cp_size == 1:
+        return terms
+    m = w.model
+    ring = ring_attention_bytes(w.plan.micro_batch_size, m.num_attention_heads // w.tp_size, w.local_seq_length,
+                                m.head_dim, w.cp_size, w.dtype_bytes)
+    attentions = w.layers_on(pp_rank) + w.top_query_on(pp_rank)
+    terms["forward"] = attentions * ring.forward
+    terms["backward"] = attentions * ring.backward
+    terms["recompute"] = recomputed_attentions(w, pp_rank) * ring.forward
+    return terms
+
+
 def comm_bytes_per_step(w: Workload, pp_rank: int = 0) -> dict[str, int]:
     """Bytes one rank of stage ``pp_rank`` moves per optimizer step, by group, counted as in
     ``accounting.counter`` (an all-reduce of N bytes moves 2N; p2p counts what this rank sends).
 
     pp: each micro-batch's forward of each of the v chunks sends its output on and its backward sends its input
     gradient back, except that the last virtual stage (the last stage's last chunk) ends in the loss and the first
-    (the first stage's chunk 0) starts from the ids: (2 m v - m [first stage] - m [last stage]) x phi, phi / t under
-    SP ((b, s/t, h)). v = 1 is 1F1B's 2m, m at either end."""
+    (the first stage's chunk 0) starts from the ids: (2 m v - m [first stage] - m [last stage]) x phi, of the plan's
+    ``p2p_shape`` ((b, s/n, h), (b, s/n/t, h) under SP). v = 1 is 1F1B's 2m, m at either end.
+
+    Under CP (n > 1) two more groups: "cp", m x ``cp_bytes_per_microbatch``; and ZeRO's traffic is in "dp_cp" (the
+    DP x CP group DeepSpeed reduces over: ``Workload.dp_group``), "dp" then moving nothing. At CP 1 neither key."""
     m = w.model
-    b, s, h, e = w.plan.micro_batch_size, w.seq_length, m.hidden_size, w.dtype_bytes
-    phi = b * s * h * e
+    b, s, h, e = w.plan.micro_batch_size, w.local_seq_length, m.hidden_size, w.dtype_bytes
     out = dict.fromkeys(GROUPS, 0)
+    if w.cp_size > 1:
+        out.update(cp=w.plan.num_microbatches * sum(cp_bytes_per_microbatch(w, pp_rank).values()), dp_cp=0)
     out["tp"] = w.plan.num_microbatches * sum(tp_bytes_per_microbatch(w, pp_rank).values())
     if w.pp_size > 1:
         v = w.num_chunks
         sends = (v - w.last(pp_rank)) + (v - w.first(pp_rank))  # activations down, gradients up, per micro-batch
-        out["pp"] = w.plan.num_microbatches * sends * phi // (w.tp_size if w.sp else 1)  # SP: (b, s/t, h)
+        out["pp"] = w.plan.num_microbatches * sends * b * (s // w.tp_size if w.sp else s) * h * e  # p2p_shape
     grad_bytes = 4 if w.dtype_bytes == 4 else w.dtype_bytes  # ZeRO reduces gradients in the param dtype
     tied = m.padded_vocab_size // w.tp_size * h * 4  # fp32 full gradient of the word table
     if w.pp_size > 1 and (w.first(pp_rank) or w.last(pp_rank)):
         out["embedding"] = 2 * tied  # the two copies' gradients summed (pipeline/shared_embedding.py)
-    if w.dp_size > 1:
+    if w.dp_cp_size > 1:
         params = stage_parameters(w, pp_rank)
         # ZeRO-2 all-reduces every micro-batch's gradients bucket by bucket (DeepSpeed's reduce_scatter is a
         # bucket all-reduce plus slicing), then all-gathers the updated weights after the step.
         dp = w.plan.num_microbatches * 2 * params * grad_bytes + dp_allgather_bytes(w, pp_rank)
         if w.pp_size > 1 and (w.first(pp_rank) or w.last(pp_rank)):
             dp += 2 * tied  # safe_get_full_grad of the tied copy: one all-reduce over DP
-        out["dp"] = dp
+        out[w.dp_group] = dp
     return out
 
 
 def dp_allgather_bytes(w: Workload, pp_rank: int) -> int:
-    """ZeRO-2's all-gather of the updated weights after the step, per rank of stage ``pp_rank`` (part of "dp")."""
-    return stage_parameters(w, pp_rank) * w.dtype_bytes if w.dp_size > 1 else 0
+    """ZeRO-2's all-gather of the updated weights after the step, per rank of stage ``pp_rank`` (part of "dp", or of
+    "dp_cp" under CP)."""
+    return stage_parameters(w, pp_rank) * w.dtype_bytes if w.dp_cp_size > 1 else 0
 
 
 # ------------------------------------------------------------------------------------------------- memory
@@ -308,9 +376,14 @@ def _mask_bytes(w: Workload, p: float) -> int:
 
 
 def attention_core_bytes(w: Workload) -> int:
-    """What the attention core (QK^T, softmax, dropout, x V) keeps beyond Q, K, V and its output, one rank."""
+    """What the attention core (QK^T, softmax, dropout, x V) keeps beyond Q, K, V and its output, one rank. Under CP
+    the ring attention (any device) keeps its merged output (b, a/t, s/n, h/a), which the dense layer's input is a
+    copy of, and the fp32 log-sum-exp: e sbh / t + 4 a s b / t at the local s; never an s x s block (its dropout
+    masks are redrawn in backward)."""
     m = w.model
-    b, s, a, e, t = w.plan.micro_batch_size, w.seq_length, m.num_attention_heads, w.dtype_bytes, w.tp_size
+    b, s, a, e, t = w.plan.micro_batch_size, w.local_seq_length, m.num_attention_heads, w.dtype_bytes, w.tp_size
+    if w.cp_size > 1:
+        return e * s * b * m.hidden_size // t + 4 * a * s * b // t
     if fused_attention(w):
         return 4 * a * s * b // t  # fp32 log-sum-exp per head and query
     probs = e * a * s * s * b // t
@@ -342,10 +415,12 @@ def layer_activation_bytes(w: Workload, top_query: bool = False) -> dict[str, in
     (with a fused kernel only its log-sum-exp, 4 a s b / t: there is no s x s to drop; Q, K, V and the attention
     output are kept either way), ``mlp_act``: the activation output, ``layernorm``: the two column-parallel inputs.
     Full recompute keeps only each unit's input (e sbh / r; the top query layer's unit: its hidden and query inputs).
-    Per stage: the first keeps the ids (int64; under TP the local ids and the out-of-range mask) and the embedding
-    dropout mask; the last the final LayerNorm's input and statistics, the output layer's input (e sbh, gathered
-    whole under SP, as Megatron's output layer keeps it) and the loss's fp32 exp(logits) (4 b s V / t) and per-token
-    numbers.
+    Under RoPE each model chunk keeps the shared (cos, sin) tables (``activation_parts``); the attention keeps the
+    rotated q and k and a copy of v instead of the QKV output (model/attention.py), the same 3 e sbh / t. Under CP, s
+    is the rank's s/n and the attention core is the ring's (``attention_core_bytes``). Per stage: the first keeps the
+    ids (int64; under TP the local ids and the out-of-range mask) and the embedding dropout mask; the last the final
+    LayerNorm's input and statistics, the output layer's input (e sbh, gathered whole under SP, as Megatron's output
+    layer keeps it) and the loss's fp32 exp(logits) (4 b s V / t) and per-token numbers.
 
     Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", fp16, 1-byte masks,
     no fused attention, LayerNorm statistics ignored), per layer:
@@ -362,7 +437,7 @@ def layer_activation_bytes(w: Workload, top_query: bool = False) -> dict[str, in
     ``layernorm`` (4 sbh / r) are the further choices.
     """
     m = w.model
-    b, s, h, f = w.plan.micro_batch_size, w.seq_length, m.hidden_size, m.ffn_hidden_size
+    b, s, h, f = w.plan.micro_batch_size, w.local_seq_length, m.hidden_size, m.ffn_hidden_size
     e, t = w.dtype_bytes, w.tp_size
     r = t if w.sp else 1
     sbh, rc = s * b * h, w.recompute
@@ -393,13 +468,14 @@ def full_unit_counts(rc: Recompute, num_layers: int) -> tuple[int, int, int]:
 def activation_parts(w: Workload, pp_rank: int = 0, chunk: int | None = None) -> dict[str, int]:
     """What one rank of stage ``pp_rank`` keeps for one micro-batch's backward, by part: ``layers`` (the stage's
     regular layers), ``top_query_layer``, ``embedding`` (first stage), ``output`` (last stage: final LayerNorm,
-    output layer, loss). ``chunk``: the forward of that model chunk alone (interleaved 1F1B: its 1/v of the stage's
-    layers, the embedding in the first virtual stage, the rest in the last); None: every chunk of the stage."""
+    output layer, loss), ``rotary`` (RoPE: the (cos, sin) tables (2, b, s, 1, r/2) a chunk's attentions share, e
+    each). ``chunk``: the forward of that model chunk alone (interleaved 1F1B: its 1/v of the stage's layers, the
+    embedding in the first virtual stage, the rest in the last); None: every chunk of the stage."""
     if chunk is None:
         per_chunk = [activation_parts(w, pp_rank, c) for c in range(w.num_chunks)]
         return {k: sum(parts[k] for parts in per_chunk) for k in per_chunk[0]}
     m = w.model
-    b, s, h, e, t = w.plan.micro_batch_size, w.seq_length, m.hidden_size, w.dtype_bytes, w.tp_size
+    b, s, h, e, t = w.plan.micro_batch_size, w.local_seq_length, m.hidden_size, w.dtype_bytes, w.tp_size
     r = t if w.sp else 1
     sbh = s * b * h
     layers = w.chunk_sizes(pp_rank)[chunk]
@@ -407,7 +483,9 @@ def activation_parts(w: Workload, pp_rank: int = 0, chunk: int | None = None) ->
     layer = sum(layer_activation_bytes(w).values())
     units, recomputed, _ = full_unit_counts(w.recompute, layers)
     parts = {"layers": (layers - recomputed) * layer + units * e * sbh // r,
-             "top_query_layer": 0, "embedding": 0, "output": 0}
+             "top_query_layer": 0, "embedding": 0, "output": 0, "rotary": 0}
+    if m.rope and (layers or (last and m.top_query_layer)):
+        parts["rotary"] = b * s * m.rotary_dim * e
     if last and m.top_query_layer:
         if w.recompute.covers_top_query_layer(layers):
             parts["top_query_layer"] = 2 * e * sbh // r  # the unit's inputs: hidden states and queries
@@ -415,15 +493,19 @@ def activation_parts(w: Workload, pp_rank: int = 0, chunk: int | None = None) ->
             parts["top_query_layer"] = sum(layer_activation_bytes(w, top_query=True).values())
     ids = 8 * b * s  # int64 token or position ids
     if first:
-        # token ids (TP: the local ids and the out-of-range mask), position ids, the embedding dropout mask
-        parts["embedding"] = ids + (b * s if t > 1 else 0) + ids + _mask_bytes(w, m.hidden_dropout) * sbh // r
+        # token ids (TP: the local ids and the out-of-range mask), position ids (none under RoPE: no table), the
+        # embedding dropout mask
+        positions = 0 if m.rope else ids
+        parts["embedding"] = ids + (b * s if t > 1 else 0) + positions + _mask_bytes(w, m.hidden_dropout) * sbh // r
     if last:
         final_layernorm = e * sbh // r + 2 * 4 * s * b // r
         logits_input = e * sbh  # all-gathered under SP
         # exp(logits); the sum of exp (under TP a view of the all-reduced (sum, target logit) pair), local target
         # ids, two masks
         loss = 4 * b * s * m.padded_vocab_size // t + ((8 if t > 1 else 4) + 8 + 1 + 1) * b * s
-        positions = ids if m.top_query_layer and not first else 0  # the top query lookup's
+        # the top query lookup's indices: the position ids (shared with the position table's on a first stage), or
+        # under RoPE a zeros tensor of their shape (its one row)
+        positions = ids if m.top_query_layer and (m.rope or not first) else 0
         parts["output"] = final_layernorm + logits_input + loss + positions
     return parts
 
@@ -460,6 +542,22 @@ def recompute_working_bytes(w: Workload, pp_rank: int = 0) -> int:
     return 0
 
 
+def ring_block_bytes(w: Workload, pp_rank: int = 0) -> int:
+    """The ring attention's working set (CP > 1), transient, on top of what is saved: a ring step computes one block
+    of scores in fp32 (context_parallel/ring_attention.py), the largest being a rank's own, step 0's (all s/n of its
+    queries by all s/n of its keys: b a/t (s/n)^2 per tensor), and its backward holds the most at once: the
+    probabilities, dP, dP - D and dS, 4 fp32 tensors (with attention dropout also the 1-byte keep mask and the
+    dropped probabilities; measured on CPU). One attention's at a time, on a stage that runs one; the ring's K/V
+    buffers and fp32 gradients (O(s h / n t)) are left out. 0 at CP 1 (a fused kernel keeps no block; the math
+    path's s x s is in the saved activations)."""
+    if w.cp_size == 1 or not (w.layers_on(pp_rank) or w.top_query_on(pp_rank)):
+        return 0
+    m = w.model
+    per_element = 4 * 4 + (1 + 4 if m.attention_dropout > 0.0 else 0)
+    s = w.local_seq_length
+    return per_element * w.plan.micro_batch_size * (m.num_attention_heads // w.tp_size) * s * s
+
+
 def microbatches_in_flight(w: Workload, pp_rank: int) -> int:
     """1F1B: stage i holds the activations of at most p - i micro-batches at once. Interleaved (v > 1): at most
     min(2(p - i - 1) + (v - 1)p + 1, m v) (micro-batch, chunk) pairs, its warm-up plus one (pipeline/schedules.py)."""
@@ -485,8 +583,9 @@ def activations_in_flight(per_chunk: Sequence[int], pp_size: int, pp_rank: int, 
 
 @dataclass
 class MemoryParts:
-    """Bytes per rank by part; ``total`` is their sum. ``recompute`` is transient (rebuilt in backward), the others
-    are held at the step boundary (activations: during the backward of the micro-batches in flight)."""
+    """Bytes per rank by part; ``total`` is their sum. ``recompute`` and ``ring_blocks`` (CP > 1: the ring
+    attention's block of scores) are transient (in backward), the others are held at the step boundary
+    (activations: during the backward of the micro-batches in flight)."""
 
     weights: int
     gradients: int
@@ -494,26 +593,30 @@ class MemoryParts:
     buffers: int
     activations: int
     recompute: int = 0
+    ring_blocks: int = 0
     notes: dict = field(default_factory=dict)
 
     @property
     def total(self) -> int:
-        return self.weights + self.gradients + self.optimizer + self.buffers + self.activations + self.recompute
+        return (self.weights + self.gradients + self.optimizer + self.buffers + self.activations + self.recompute
+                + self.ring_blocks)
 
     def as_dict(self) -> dict[str, int]:
+        """The parts and the total; ``ring_blocks`` only under CP (where it is not 0)."""
+        ring = {"ring_blocks": self.ring_blocks} if self.ring_blocks else {}
         return {"weights": self.weights, "gradients": self.gradients, "optimizer": self.optimizer,
-                "buffers": self.buffers, "activations": self.activations, "recompute": self.recompute,
+                "buffers": self.buffers, "activations": self.activations, "recompute": self.recompute, **ring,
                 "total": self.total}
 
 
 def memory_per_rank(w: Workload, pp_rank: int = 0) -> MemoryParts:
     """ZeRO-2 under DeepSpeed: weights whole in the compute dtype; an fp32 master copy, Adam's two moments and
-    the gradient, each partitioned over DP (1/d); the gradient bucket of reduce_bucket_size elements (the
-    largest parameter when bigger; at most the stage's parameters) and, with DP > 1, the all-gather staging;
-    the saved activations of the micro-batches (interleaved: (micro-batch, chunk) pairs) in flight and what
-    recomputation rebuilds on top of them."""
+    the gradient, each partitioned over DP (1/d; DP x CP under CP, 1/(d n): DeepSpeed's group there); the gradient
+    bucket of reduce_bucket_size elements (the largest parameter when bigger; at most the stage's parameters) and,
+    with DP > 1, the all-gather staging; the saved activations of the micro-batches (interleaved: (micro-batch,
+    chunk) pairs) in flight and what recomputation rebuilds on top of them; under CP the ring's block."""
     psi = stage_parameters(w, pp_rank)
-    e, d = w.dtype_bytes, w.dp_size
+    e, d = w.dtype_bytes, w.dp_cp_size
     if w.zero_stage == 0:
         shard = psi
     else:
@@ -528,7 +631,7 @@ def memory_per_rank(w: Workload, pp_rank: int = 0) -> MemoryParts:
                                         w.plan.num_microbatches)
     return MemoryParts(weights=psi * e, gradients=gradients, optimizer=optimizer, buffers=bucket,
                        activations=activations, recompute=recompute_working_bytes(w, pp_rank),
-                       notes={"parameters": psi, "partition": shard})
+                       ring_blocks=ring_block_bytes(w, pp_rank), notes={"parameters": psi, "partition": shard})
 
 
 def _gib(n: int) -> str:
@@ -542,14 +645,17 @@ def _in_flight(w: Workload, pp_rank: int) -> str:
 
 def expected_memory_report(w: Workload) -> str:
     """The start-up lines: predicted memory and bytes moved per step, per rank of each stage, with what sequence
-    parallelism and recomputation contribute."""
-    lines = [f"expected per rank (ZeRO-{w.zero_stage}, DP {w.dp_size}, {w.dtype_bytes}-byte weights, {w.describe()}; "
-             f"measured at the 2nd step as the metrics' 'memory' record):"]
+    parallelism, recomputation and context parallelism contribute."""
+    cp = f", CP {w.cp_size}" if w.cp_size > 1 else ""
+    lines = [f"expected per rank (ZeRO-{w.zero_stage}, DP {w.dp_size}{cp}, {w.dtype_bytes}-byte weights, "
+             f"{w.describe()}; measured at the 2nd step as the metrics' 'memory' record):"]
     for pp_rank in range(w.pp_size):
         parts = memory_per_rank(w, pp_rank)
         comm = comm_bytes_per_step(w, pp_rank)
         stage = f"  stage {pp_rank}: " if w.pp_size > 1 else "  "
         rebuilt = f", recompute {_gib(parts.recompute)} (rebuilt in backward)" if parts.recompute else ""
+        if parts.ring_blocks:
+            rebuilt += f", ring blocks {_gib(parts.ring_blocks)} (transient)"
         lines.append(f"{stage}weights {_gib(parts.weights)}, gradients {_gib(parts.gradients)}, optimizer "
                      f"{_gib(parts.optimizer)}, buffers {_gib(parts.buffers)}, activations {_gib(parts.activations)}"
                      f" ({_in_flight(w, pp_rank)} in flight){rebuilt}: total "
@@ -559,4 +665,7 @@ def expected_memory_report(w: Workload) -> str:
             tp = {k: v * w.plan.num_microbatches for k, v in tp_bytes_per_microbatch(w, pp_rank).items() if v}
             lines.append(f"{' ' * len(stage)}tp = " + " + ".join(f"{k.replace('_', ' ')} {_gib(v)}"
                                                                 for k, v in tp.items()))
+        if w.cp_size > 1:
+            cp_terms = {k: v * w.plan.num_microbatches for k, v in cp_bytes_per_microbatch(w, pp_rank).items() if v}
+            lines.append(f"{' ' * len(stage)}cp = " + " + ".join(f"ring {k} {_gib(v)}" for k, v in cp_terms.items()))
     return "\n".join(lines)

@@ -188,6 +188,8 @@ def config_from_codegeex(flat: Mapping[str, torch.Tensor], num_attention_heads: 
 def check_codegeex_config(config: ModelConfig) -> None:
     """ValueError unless ``config`` is a model the codegeex package's CodeGeeXModel can hold."""
     problems = []
+    if config.rope:
+        problems.append("--position-embedding-type rope (CodeGeeX: learned positions)")
     if not config.top_query_layer:
         problems.append("no top query layer (--no-top-query-layer)")
     if config.activation != CODEGEEX_ACTIVATION:

@@ -207,7 +207,14 @@ def save_checkpoint(engine, save_dir: str, state: TrainState, config: ModelConfi
     A failed write on any rank ends the save on every rank with :class:`CheckpointSaveError` (one ``error:``
     line from rank 0, the partial tag directory removed, ``latest`` unchanged)."""
     tag = checkpoint_tag(state.iteration)
-    state = dataclasses.replace(state, rng=rng_state(tracker))
+    rng = rng_state(tracker)
+    if topology.cp_size > 1:
+        # DeepSpeed writes the client state from the first rank of its data-parallel group (DP x CP) only, but each
+        # CP rank has streams of its own (other tokens, other dropout masks): that rank's file carries them all.
+        every = [None] * topology.cp_size
+        dist.all_gather_object(every, rng, group=topology.cp_group)
+        rng = {**rng, "context_parallel": every}
+    state = dataclasses.replace(state, rng=rng)
     meta = {"model_config": dataclasses.asdict(config), "tp_size": topology.tp_size, "pp_size": topology.pp_size,
             "iteration": state.iteration, "train_state": dataclasses.asdict(state), "num_chunks": num_chunks}
     if tokenizer is not None:
@@ -247,6 +254,12 @@ def _check_train_state(path, state: object) -> None:
     if not (isinstance(rng, dict) and isinstance(rng.get("cpu"), torch.Tensor) and isinstance(rng.get("tracker"), dict)
             and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in rng["tracker"].items())):
         raise CheckpointError(f"{where}: rng is not the random-number states (tensors under 'cpu' and 'tracker')")
+    per_cp_rank = rng.get("context_parallel", [])
+    if not isinstance(per_cp_rank, list) or not all(
+            isinstance(r, dict) and isinstance(r.get("cpu"), torch.Tensor) and isinstance(r.get("tracker"), dict)
+            and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in r["tracker"].items())
+            for r in per_cp_rank):
+        raise CheckpointError(f"{where}: rng's context_parallel entry is not one random-number state per CP rank")
 
 
 def check_training_state(tag: str, files: TagFiles, states: dict[int, dict]) -> int:
@@ -283,7 +296,7 @@ def check_training_state(tag: str, files: TagFiles, states: dict[int, dict]) -> 
 
 
 def load_checkpoint(engine, load_dir: str, tag: str, tracker: RNGStatesTracker, *, load_optimizer_states: bool = True,
-                    load_rng: bool = True) -> TrainState:
+                    load_rng: bool = True, cp_rank: int = 0, cp_size: int = 1) -> TrainState:
     """Resume model, optimizer, LR schedule, consumed samples and RNG states from a training checkpoint.
 
     Every file DeepSpeed reads goes through :class:`SafeCheckpointEngine` (weights-only). A file refused there
@@ -295,7 +308,9 @@ def load_checkpoint(engine, load_dir: str, tag: str, tracker: RNGStatesTracker, 
     then skips the ZeRO partition files altogether and rebuilds ZeRO-1/2's fp32 master partitions from the loaded
     model weights (``_restore_from_bit16_weights``: each DP rank copies its slice of the flat weight buffer), so the
     first step updates the loaded weights, not the initial ones; and the ZeRO files' DP size need not be this run's.
-    ``load_rng=False`` (--no-load-rng): the random-number streams stay as this run seeded them."""
+    ``load_rng=False`` (--no-load-rng): the random-number streams stay as this run seeded them. A checkpoint saved
+    at the same CP size gives each CP rank its own streams back; at another CP size (through the universal format or
+    not) CP rank 0's, as every rank of a run without CP has."""
     install_checkpoint_engine(engine)
     error = None
     try:  # DeepSpeed's ZeRO-1/2 load runs no collective after its reads: every rank reaches _agree below
@@ -313,5 +328,6 @@ def load_checkpoint(engine, load_dir: str, tag: str, tracker: RNGStatesTracker, 
         raise CheckpointError(f"--load {load_dir} ({tag}): DeepSpeed found no training state to resume")
     state = TrainState(**client[META_KEY]["train_state"])
     if load_rng:
-        set_rng_state(state.rng, tracker)
+        per_cp_rank = state.rng.get("context_parallel", [])
+        set_rng_state(per_cp_rank[cp_rank] if len(per_cp_rank) == cp_size > 1 else state.rng, tracker)
     return state

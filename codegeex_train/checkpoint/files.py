@@ -45,11 +45,13 @@ from codegeex_train.data.code_tokens import trained_order
 from codegeex_train.metrics.redaction import redact_secrets
 
 META_KEY = "codegeex_train"
-# Fields that change parameter shapes or names; the rest (dropout, init std, ...) may differ on load.
+# Fields that change parameter shapes or names; the rest (dropout, init std, ...) may differ on load. Under RoPE no
+# table has a row per position: --max-position-embeddings is then the longest sequence only, free to change.
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
-                "padded_vocab_size", "top_query_layer")
-# Fields that change the function but not the shapes: a mismatch only warns (e.g. fine-tuning choices).
-FUNCTION_FIELDS = ("activation", "layernorm_epsilon")
+                "padded_vocab_size", "top_query_layer", "position_embedding_type")
+# Fields that change the function but not the shapes: a mismatch only warns (e.g. fine-tuning choices; a larger
+# --rotary-base to extend the context).
+FUNCTION_FIELDS = ("activation", "layernorm_epsilon", "rotary_percent", "rotary_base", "rotary_interleaved")
 # DataConfig's tokenizer flags, as a checkpoint records them; the file ones with the flag that names them.
 TOKENIZER_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "whitespace_encoding")
 TOKENIZER_FILE_FLAGS = {"tokenizer_model": "--tokenizer-model", "vocab_file": "--vocab-file",
@@ -210,17 +212,19 @@ def save_model_checkpoint(directory: str | os.PathLike, shard_sds: list[dict], c
 
 
 def _describe(config_fields: dict, tp_size: int, pp_size: int) -> str:
-    return ", ".join(f"{k} {config_fields[k]}" for k in SHAPE_FIELDS) + f", tp {tp_size}, pp {pp_size}"
+    return ", ".join(f"{k} {v}" for k, v in config_fields.items()) + f", tp {tp_size}, pp {pp_size}"
 
 
 def _shape_fields(config: ModelConfig) -> dict:
-    return {k: getattr(config, k) for k in SHAPE_FIELDS}
+    """The SHAPE_FIELDS that shape this model's parameters (max_position_embeddings not under RoPE)."""
+    return {k: getattr(config, k) for k in SHAPE_FIELDS if k != "max_position_embeddings" or not config.rope}
 
 
 def describe_shape_difference(stored: ModelConfig, config: ModelConfig) -> str:
     """Each parameter-shape field on which the two models differ, both sides; empty when they have the same."""
     theirs, ours = _shape_fields(stored), _shape_fields(config)
-    return "; ".join(f"{k}: checkpoint {theirs[k]}, this run {ours[k]}" for k in ours if ours[k] != theirs[k])
+    return "; ".join(f"{k}: checkpoint {theirs[k]}, this run {ours[k]}" for k in ours
+                     if k in theirs and ours[k] != theirs[k])
 
 
 # --- What each file must hold, from the config alone (no weights built: a check before any process group) ----------
@@ -239,13 +243,15 @@ def _layer_shapes(prefix: str, h: int, ffn: int, attention: dict[str, int]) -> d
 def model_parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter of the whole model (TP = PP = 1) with its shape, in ``CodeGeeXModel``'s order: what its
     ``state_dict`` holds (tests check the two agree), computed without building it."""
-    h, ffn, positions = config.hidden_size, config.ffn_hidden_size, config.max_position_embeddings
-    shapes = {"word_embeddings.weight": (config.padded_vocab_size, h), "position_embeddings.weight": (positions, h)}
+    h, ffn = config.hidden_size, config.ffn_hidden_size
+    shapes = {"word_embeddings.weight": (config.padded_vocab_size, h)}
+    if config.position_table_rows:  # learned_absolute
+        shapes["position_embeddings.weight"] = (config.position_table_rows, h)
     for i in range(config.num_layers):
         shapes.update(_layer_shapes(f"layers.{i}.", h, ffn, {"query_key_value": 3 * h}))
     shapes.update({"final_layernorm.weight": (h,), "final_layernorm.bias": (h,)})
     if config.top_query_layer:
-        shapes["top_query_embeddings.weight"] = (positions, h)
+        shapes["top_query_embeddings.weight"] = (config.top_query_rows, h)
         shapes.update(_layer_shapes("top_query_layer.", h, ffn, {"query": h, "key_value": 2 * h}))
     return shapes
 

@@ -48,6 +48,9 @@ def hf_gpt2_config(config: ModelConfig):
     """The ``transformers.GPT2Config`` of a model without the top query layer."""
     from transformers import GPT2Config
 
+    if config.rope:
+        raise ValueError("a --position-embedding-type rope model is not a GPT-2 (GPT-2 has learned positions): "
+                         "there is no Hugging Face export for RoPE models yet")
     if config.top_query_layer or config.activation != "gelu_tanh":
         raise ValueError(f"only a model with --no-top-query-layer and --activation gelu_tanh is a GPT-2 "
                          f"(this one: top_query_layer={config.top_query_layer}, activation={config.activation})")

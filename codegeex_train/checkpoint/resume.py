@@ -118,7 +118,7 @@ _LOAD_LESS = {
 # The flag that sets each field of SHAPE_FIELDS (the padded vocabulary: the tokenizer's, rounded up).
 _SHAPE_FLAGS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size", "num_attention_heads":
                 "--num-attention-heads", "ffn_hidden_size": "--ffn-hidden-size", "max_position_embeddings":
-                "--max-position-embeddings"}
+                "--max-position-embeddings", "position_embedding_type": "--position-embedding-type"}
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
@@ -126,7 +126,8 @@ def _model_flags(stored: ModelConfig, config: ModelConfig) -> str:
     """The flags (with the checkpoint's values) that give this run the checkpoint's model shape."""
     derived_ffn = stored.ffn_hidden_size == 4 * stored.hidden_size and config.ffn_hidden_size == 4 * config.hidden_size
     flags = [f"{flag} {getattr(stored, k)}" for k, flag in _SHAPE_FLAGS.items()
-             if getattr(stored, k) != getattr(config, k) and not (k == "ffn_hidden_size" and derived_ffn)]
+             if getattr(stored, k) != getattr(config, k) and not (k == "ffn_hidden_size" and derived_ffn)
+             and not (k == "max_position_embeddings" and stored.rope)]  # RoPE: no table to match
     if stored.top_query_layer != config.top_query_layer:
         flags.append("--top-query-layer" if stored.top_query_layer else "--no-top-query-layer")
     if stored.padded_vocab_size != config.padded_vocab_size:
@@ -328,7 +329,7 @@ def restore(resume: Resume | None, model: torch.nn.Module, topology: Topology, t
                                               stage_layers=stage_layers, load_optimizer_states=resume.load_optim)
     elif kind is ResumeKind.TRAINING:
         state = load_checkpoint(engine, resume.load_dir, resume.tag, tracker, load_optimizer_states=resume.load_optim,
-                                load_rng=resume.load_rng)
+                                load_rng=resume.load_rng, cp_rank=topology.cp_rank, cp_size=topology.cp_size)
     else:
         state = TrainState()
     sync_shared_embedding(engine.module, topology)

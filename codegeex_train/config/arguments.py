@@ -70,6 +70,10 @@ class ParallelConfig:
         None, "interleaved 1F1B: layers per virtual pipeline stage N; each rank holds v = layers / (PP x N) model "
         "chunks, shrinking the bubble to about (PP - 1) / (v x micro-batches) for v times the point-to-point "
         "traffic. Needs PP > 1 and micro-batches per step divisible by PP", bounds=at_least(1))
+    context_parallel_size: int = option(
+        1, "CP size: ranks that split each sequence (Megatron's context parallelism). The sequence is cut into 2 x CP "
+        "chunks and CP rank r holds chunks r and 2 x CP - 1 - r (equal causal work); attention passes keys and values "
+        "around the CP ring. --seq-length must divide by 2 x CP", bounds=at_least(1))
     sequence_parallel: bool = option(False, "Megatron's sequence parallelism (TP > 1): the activations between the "
                                      "TP regions (LayerNorms, dropouts, residual adds) are split along the sequence "
                                      "over the TP group; same bytes as TP, about 1/TP of their memory. "
@@ -384,6 +388,30 @@ def check_save_dir(save: str) -> None:
                           f"can write to, or make it writable") from None
 
 
+def check_context_parallel(args: Args, dims: ParallelDims) -> None:
+    """The rules CP > 1 adds: the sequence splits into 2 x CP equal chunks (each a whole number of SP pieces), and
+    the features that wait for CP say so."""
+    t, d, cp = args.train, args.data, dims.cp_size
+    if t.seq_length % (2 * cp):
+        raise ConfigError(f"--context-parallel-size {cp} cuts --seq-length {t.seq_length} into {2 * cp} equal chunks "
+                          f"(two per CP rank, for equal causal work): use a sequence length divisible by {2 * cp}")
+    local = t.seq_length // cp
+    if args.parallel.sequence_parallel and dims.tp_size > 1 and local % dims.tp_size:
+        raise ConfigError(f"--sequence-parallel splits each CP rank's {local} tokens (--seq-length {t.seq_length} / "
+                          f"--context-parallel-size {cp}) over --tensor-model-parallel-size {dims.tp_size}: use a "
+                          f"sequence length divisible by {math.lcm(2 * cp, cp * dims.tp_size)}")
+    if d.reset_attention_mask:
+        # The ring's blocks would each need their slice of the block-causal mask, and a document crossing a chunk
+        # edge would make the balanced blocks unequal again: it waits until a varlen ring attention is worth it.
+        raise ConfigError(f"--reset-attention-mask with --context-parallel-size {cp}: document masking inside the "
+                          f"CP ring is not supported; drop one (--reset-position-ids and --eod-mask-loss work with CP)")
+    for flag, value in (("--eval-humaneval-interval", t.eval_humaneval_interval),
+                        ("--eval-infilling-interval", t.eval_infilling_interval)):
+        if value is not None:
+            raise ConfigError(f"{flag} needs --context-parallel-size 1 (generation decodes whole sequences on one "
+                              f"rank); this run has {cp}: evaluate its checkpoints with tools/evaluate_humaneval.py")
+
+
 def validate(args: Args, world_size: int, model: ModelConfig | None = None) -> ParallelPlan:
     """Every flag's range, then every rule that spans sections, in order; raises ConfigError naming the flags.
     Returns the run's plan. ``model``: ``args.model`` with the tokenizer's vocabulary (``with_vocab``), checked in
@@ -393,7 +421,7 @@ def validate(args: Args, world_size: int, model: ModelConfig | None = None) -> P
     check_ranges(args)
     try:
         dims = ParallelDims(world_size, args.parallel.tensor_model_parallel_size,
-                            args.parallel.pipeline_model_parallel_size)
+                            args.parallel.pipeline_model_parallel_size, args.parallel.context_parallel_size)
     except ParallelConfigError as e:
         raise ConfigError(str(e)) from None
     per_step = t.micro_batch_size * dims.dp_size
@@ -441,6 +469,7 @@ def validate(args: Args, world_size: int, model: ModelConfig | None = None) -> P
         raise ConfigError("--fp16 and --bf16 are exclusive: choose one")
     try:
         model.check_sequence_length(t.seq_length)
+        model.check_rotary()
         if model.vocab_size:
             model.validate(dims.tp_size)
         elif model.num_attention_heads % dims.tp_size:  # the rest waits for the tokenizer's vocab
@@ -464,6 +493,8 @@ def validate(args: Args, world_size: int, model: ModelConfig | None = None) -> P
         elif t.seq_length % dims.tp_size:
             raise ConfigError(f"--sequence-parallel splits --seq-length {t.seq_length} over --tensor-model-parallel-"
                               f"size {dims.tp_size}: use a sequence length divisible by {dims.tp_size}")
+    if dims.cp_size > 1:
+        check_context_parallel(args, dims)
     if t.eval_humaneval_interval is not None:
         unknown = [lang for lang in t.eval_humaneval_languages if lang not in HUMANEVAL_LANGUAGES]
         if unknown:

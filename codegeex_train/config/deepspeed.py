@@ -19,7 +19,9 @@ _MISSING = object()
 def _flag_values(args: Args, plan: ParallelPlan) -> dict[tuple[str, ...], tuple[Any, str]]:
     """DeepSpeed key path -> (value from the flags, the flag that set it)."""
     values = {
-        ("train_batch_size",): (plan.global_batch_size, "--global-batch-size"),
+        # DeepSpeed's data-parallel world is our mpu's DP x CP group (each CP rank holds a share of every micro-batch
+        # and reduces gradients with the others), and it checks train = micro x accumulation x that world.
+        ("train_batch_size",): (plan.global_batch_size * plan.cp_size, "--global-batch-size"),
         ("train_micro_batch_size_per_gpu",): (plan.micro_batch_size, "--micro-batch-size"),
         ("gradient_accumulation_steps",): (plan.num_microbatches, "--num-microbatches"),
         # Set explicitly: DeepSpeed's default changed across versions, and CodeGeeX's own script never clipped.

@@ -58,7 +58,8 @@ PRETRAIN: dict[str, ForeignFlag] = {
     # --- the same spelling and meaning ---
     **_same("--num-layers --hidden-size --num-attention-heads --ffn-hidden-size --max-position-embeddings "
             "--make-vocab-size-divisible-by --hidden-dropout --attention-dropout --init-method-std "
-            "--tensor-model-parallel-size --pipeline-model-parallel-size --decoder-first-pipeline-num-layers "
+            "--tensor-model-parallel-size --pipeline-model-parallel-size --context-parallel-size "
+            "--decoder-first-pipeline-num-layers "
             "--decoder-last-pipeline-num-layers --num-layers-per-virtual-pipeline-stage --distributed-timeout-minutes "
             "--micro-batch-size "
             "--global-batch-size --seq-length --seed --bf16 --checkpoint-activations --sequence-parallel "
@@ -107,8 +108,6 @@ PRETRAIN: dict[str, ForeignFlag] = {
     "--ds-sequence-parallel-size": ForeignFlag(REFUSED, "--sequence-parallel (Megatron's, within TP)",
                                                "not supported: DeepSpeed-Ulysses splits attention heads over ranks "
                                                "by all-to-all"),
-    **_refused("--context-parallel-size", "--tensor-model-parallel-size, --pipeline-model-parallel-size",
-               "not supported: a sequence is not split over ranks"),
     "--use-flash-attn": ForeignFlag(REFUSED, DROP, "attention is torch's scaled_dot_product_attention (SDPA), "
                                     "which picks a flash kernel by itself"),
     **_refused("--fp8-*", "--bf16 or --fp16", "no FP8 training (no Transformer Engine)"),
@@ -144,8 +143,22 @@ PRETRAIN: dict[str, ForeignFlag] = {
     "--hysteresis": ForeignFlag(REFUSED, "fp16.hysteresis in a --deepspeed-config JSON",
                                 "fp16 loss scaling is DeepSpeed's"),
     **_refused("--expert-model-parallel-size --num-experts --moe-*", DROP, "no mixture of experts: a dense model"),
-    **_refused("--position-embedding-type --use-rotary-position-embeddings --rotary-* --no-position-embedding",
-               "--max-position-embeddings", "learned absolute positions only (CodeGeeX's)"),
+    **_same("--position-embedding-type", "learned_absolute (default) or rope"),
+    **_same("--rotary-percent --rotary-base --rotary-interleaved"),
+    "--use-rotary-position-embeddings": ForeignFlag(ALIAS, "--position-embedding-type rope", "Megatron's older "
+                                                    "switch"),
+    # Refused rather than ignored: without rope it would mean a model with no positions at all (NoPE), which we
+    # do not build, and with rope it says nothing (a rope model has no learned table).
+    "--no-position-embedding": ForeignFlag(REFUSED, "--position-embedding-type rope", "Megatron's deprecated "
+                                           "switch: drop it (a rope model has no learned table; no positions at all "
+                                           "is not supported)"),
+    **{f"--position-embedding-type {kind}": ForeignFlag(REFUSED, "--position-embedding-type learned_absolute or rope",
+                                                        note)
+       for kind, note in (("mrope", "no multimodal RoPE (a text model)"),
+                          ("relative", "no relative position buckets (T5's)"),
+                          ("none", "no position-free (NoPE) models"))},
+    **_refused("--rotary-* --use-rope-scaling --rope-scaling-factor", "--rotary-base (a larger base for longer "
+               "contexts)", "no RoPE scaling or position interpolation"),
     **_refused("--swiglu --squared-relu", "--activation gelu|gelu_tanh|fast_gelu", "no gated or squared activations"),
     "--normalization": ForeignFlag(REFUSED, "none (drop the flag: LayerNorm is the norm)", "no RMSNorm"),
     **_refused("--group-query-attention --num-query-groups", "--num-attention-heads (multi-head attention)",

@@ -5,9 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from codegeex_train.config.options import UNIT_OPEN, above, at_least, option, out_of_range
+from codegeex_train.config.options import UNIT_OPEN, Range, above, at_least, option, out_of_range
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "fast_gelu")
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
 
 
 class ModelConfigError(ValueError):
@@ -23,8 +24,19 @@ class ModelConfig:
     num_attention_heads: int = option(8, "number of attention heads; must divide by the TP size",
                                       bounds=at_least(1))
     ffn_hidden_size: int | None = option(None, "MLP inner size (default 4 * hidden size)", bounds=at_least(1))
-    max_position_embeddings: int = option(1024, "number of learned absolute positions (longest sequence)",
-                                          bounds=at_least(1))
+    max_position_embeddings: int = option(
+        1024, "longest sequence (--seq-length; in generation a prompt plus its completion); with learned_absolute "
+        "also the rows of the position table", bounds=at_least(1))
+    position_embedding_type: str = option(
+        "learned_absolute", "learned_absolute: a learned table added to the word embeddings (CodeGeeX's); rope: "
+        "rotary embeddings of each head's queries and keys, no table (model/rotary.py)",
+        choices=POSITION_EMBEDDING_TYPES)
+    rotary_percent: float = option(1.0, "RoPE: the fraction of each head's channels that rotate (the first "
+                                   "int(head dim x percent), an even number)", bounds=Range(0, 1, lo_open=True))
+    rotary_base: int = option(10000, "RoPE: channel pair i turns at position x base^(-2i / rotary dim) radians",
+                              bounds=above(1))
+    rotary_interleaved: bool = option(False, "RoPE: rotate channel pairs (0, 1), (2, 3), ... (GPT-J's layout) "
+                                      "instead of (i, i + rotary dim / 2) (GPT-NeoX's, Llama's)")
     make_vocab_size_divisible_by: int = option(
         128, "pad the tokenizer's vocabulary to a multiple of this (independent of TP, so checkpoints "
         "move between TP sizes); the padded size must divide by the TP size", bounds=at_least(1))
@@ -55,6 +67,26 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
+    @property
+    def rope(self) -> bool:
+        return self.position_embedding_type == "rope"
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each head that RoPE rotates (Megatron's int(kv_channels x rotary_percent))."""
+        return int(self.head_dim * self.rotary_percent)
+
+    @property
+    def position_table_rows(self) -> int:
+        """Rows of the learned position table (``position_embeddings``): none under RoPE."""
+        return 0 if self.rope else self.max_position_embeddings
+
+    @property
+    def top_query_rows(self) -> int:
+        """Rows of the top query layer's query table: one per position, or under RoPE one row in all (the
+        position enters through the rotation; model/rotary.py says why)."""
+        return 1 if self.rope else self.max_position_embeddings
+
     def validate(self, tp_size: int = 1) -> None:
         """Raise ModelConfigError naming the flag; call before any process group or collective."""
         problems = out_of_range(self)  # each field's declared range (the command line checks the same first)
@@ -76,6 +108,17 @@ class ModelConfig:
                 f"padded vocabulary {self.padded_vocab_size} (vocab {self.vocab_size} rounded up to "
                 f"--make-vocab-size-divisible-by {self.make_vocab_size_divisible_by}) is not divisible by "
                 f"--tensor-model-parallel-size {tp_size}: use a multiple of {tp_size} for that flag")
+        self.check_rotary()
+
+    def check_rotary(self) -> None:
+        """Under RoPE, that --rotary-percent rotates whole channel pairs (needs no vocabulary: callable early; a head
+        count that does not divide the hidden size is ``validate``'s to report)."""
+        whole_heads = self.hidden_size % self.num_attention_heads == 0
+        if self.rope and whole_heads and (self.rotary_dim < 2 or self.rotary_dim % 2):
+            raise ModelConfigError(
+                f"--rotary-percent {self.rotary_percent} rotates int({self.head_dim} x {self.rotary_percent}) = "
+                f"{self.rotary_dim} channels of each {self.head_dim}-channel head: RoPE turns channel pairs, so it "
+                f"must be an even number >= 2; pick a percent that gives one")
 
     def check_sequence_length(self, seq_length: int) -> None:
         if seq_length > self.max_position_embeddings:

@@ -9,7 +9,9 @@ recomputes a size from two flags.
     sequence parallel   --sequence-parallel as given; ``sp``: in effect (it needs TP > 1)
     recompute           the --recompute-* choice (config/recompute.py)
     activations         seq_length s, hidden_size h, dtype (bf16 | fp16 | fp32): what moves between stages,
-                        ``p2p_shape`` (b, s/tp under SP else s, h) in ``p2p_dtype``
+                        ``p2p_shape`` (b, s/cp/tp under SP else s/cp, h) in ``p2p_dtype``
+    context parallel    dims.cp_size: each CP rank holds ``local_seq_length`` = s/cp tokens of every sequence (two
+                        of 2·cp chunks, context_parallel/chunks.py); DeepSpeed reduces over DP x CP
 
 It lives in ``config`` because it holds config's values (``Recompute``); the layers below it take its parts: the
 topology its ``dims``, point-to-point its activation shape and dtype (``P2PCommunicator.for_plan``).
@@ -73,11 +75,17 @@ class ParallelPlan:
         return self.chunk_layers[pp_rank] if self.chunk_layers else (self.stage_layers[pp_rank],)
 
     @property
+    def local_seq_length(self) -> int:
+        """The tokens of each sequence this rank's layers see: s, or s/cp under context parallelism."""
+        return self.seq_length // self.dims.cp_size
+
+    @property
     def p2p_shape(self) -> tuple[int, int, int]:
-        """(b, s, h) of an activation sent between pipeline stages; under SP each TP rank sends its (b, s/tp, h)."""
+        """(b, s, h) of an activation sent between pipeline stages; a CP rank sends its s/cp tokens, and under SP each
+        TP rank its (b, s/cp/tp, h)."""
         if not (self.seq_length and self.hidden_size):
             raise ValueError("this plan has no activation shape (seq_length, hidden_size)")
-        seq = self.seq_length // self.dims.tp_size if self.sp else self.seq_length
+        seq = self.local_seq_length // self.dims.tp_size if self.sp else self.local_seq_length
         return self.micro_batch_size, seq, self.hidden_size
 
     @property

@@ -14,6 +14,15 @@ all-gathered, the output projection reduce-scatters; the heads in between see th
 recompute of ``core_attn`` keeps the queries, keys and values and re-runs the attention itself in backward (with
 the forward's dropout masks: ``checkpoint`` restores the RNG streams).
 
+RoPE (--position-embedding-type rope, model/rotary.py): ``rotary`` (2, b, s, 1, r/2), the forward's cos and sin
+tables, rotates each head's queries and keys right after the projections, before core attention (and before a KV
+cache stores the keys: cached keys are rotated by their own positions).
+
+Context parallelism (--context-parallel-size): each CP rank holds two chunks of every sequence (context_parallel/
+chunks.py) and attention runs as ring attention over the CP group (context_parallel/ring_attention.py): the same
+causal softmax over the whole sequence, K/V passed round the ring. The projections, RoPE (with each token's global
+position) and everything else see the rank's own tokens only. Decoding and document masking run without CP.
+
 Document masking (--reset-attention-mask): packed samples hold several documents and a token attends to the
 earlier tokens of its own document only. The batch carries document ids (b, s) int; the model turns them into one
 (b, 1, s, s) bool block-causal mask per forward (``document_attention_mask``), shared by every attention of the
@@ -39,7 +48,9 @@ from torch import nn
 
 from codegeex_train.config.model_config import ModelConfig
 from codegeex_train.config.recompute import Recompute
+from codegeex_train.context_parallel.ring_attention import ring_attention
 from codegeex_train.model.init import ParamInit
+from codegeex_train.model.rotary import apply_rotary
 from codegeex_train.tensor_parallel import ColumnParallelLinear, RNGStatesTracker, RowParallelLinear, checkpoint, divide
 from codegeex_train.tensor_parallel.mappings import ProcessGroup, group_size
 
@@ -151,12 +162,31 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim
     return ctx.transpose(1, 2).reshape(b, s, -1)  # (b, s, h/tp)
 
 
+def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int, dropout_p: float,
+                               rng_tracker: RNGStatesTracker | None, cp_group: ProcessGroup) -> torch.Tensor:
+    """``causal_attention`` over the whole sequence when this rank holds its CP share (two chunks, context_parallel/
+    chunks.py): ring attention over ``cp_group``. (b, 2c, heads/tp * d) inputs -> (b, 2c, heads/tp * d)."""
+    q, k, v = (_split_heads(t, head_dim) for t in (q, k, v))  # (b, n/tp, 2c, d)
+    ctx = ring_attention(q, k, v, cp_group, dropout_p=dropout_p, rng_tracker=rng_tracker)
+    b, _, s, _ = ctx.shape
+    return ctx.transpose(1, 2).reshape(b, s, -1)  # (b, 2c, h/tp)
+
+
 def core_attention(q, k, v, head_dim: int, dropout_p: float, rng_tracker: RNGStatesTracker | None,
-                   cache: KVCacheSlot | None, recompute: bool, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """``causal_attention``, re-run in backward instead of kept when ``recompute`` (training with grad only); the
-    mask is one of the recomputed function's inputs."""
+                   cache: KVCacheSlot | None, recompute: bool, mask: torch.Tensor | None = None,
+                   cp_group: ProcessGroup | None = None) -> torch.Tensor:
+    """``causal_attention`` (ring attention over ``cp_group`` under context parallelism), re-run in backward instead
+    of kept when ``recompute`` (training with grad only); the mask is one of the recomputed function's inputs."""
     if cache is not None and mask is not None:
         raise ValueError("a KV cache builds its own mask: document masking is for training")
+    if group_size(cp_group) > 1:
+        if cache is not None or mask is not None:
+            raise ValueError("context parallelism is for training without document masking: no KV cache, no mask")
+        attend_cp = lambda q_, k_, v_: context_parallel_attention(q_, k_, v_, head_dim, dropout_p,  # noqa: E731
+                                                                  rng_tracker, cp_group)
+        if recompute and torch.is_grad_enabled():  # the forward ring runs again in backward
+            return checkpoint(attend_cp, rng_tracker, q, k, v)
+        return attend_cp(q, k, v)
     if recompute and cache is None and torch.is_grad_enabled():
         def attend(q_, k_, v_, *mask_):
             return causal_attention(q_, k_, v_, head_dim, dropout_p, rng_tracker, mask=mask_[0] if mask_ else None)
@@ -170,10 +200,13 @@ class ParallelSelfAttention(nn.Module):
 
     def __init__(self, config: ModelConfig, tp_group: ProcessGroup | None, rng_tracker: RNGStatesTracker | None,
                  init: ParamInit, prefix: str, *, sequence_parallel: bool = False, recompute: Recompute = Recompute(),
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+                 cp_group: ProcessGroup | None = None, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None):
         super().__init__()
         h, sp = config.hidden_size, sequence_parallel
         self.head_dim, self.dropout_p, self.rng_tracker = config.head_dim, config.attention_dropout, rng_tracker
+        self.cp_group = cp_group  # context parallelism: ring attention over it (None or one rank: SDPA)
+        self.rotary_interleaved = config.rotary_interleaved
         self.recompute_core = recompute.selects("core_attn")
         self.hidden_per_partition = divide(h, group_size(tp_group), "hidden size")
         self.query_key_value = ColumnParallelLinear(h, 3 * h, tp_group, stride=3, sequence_parallel=sp, dtype=dtype,
@@ -182,27 +215,34 @@ class ParallelSelfAttention(nn.Module):
         self.dense = RowParallelLinear(h, h, tp_group, input_is_parallel=True, sequence_parallel=sp, dtype=dtype,
                                        device=device, init_method=init.scaled(prefix + "dense.weight"))
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, cache: KVCacheSlot | None = None
-                ) -> torch.Tensor:
-        """``mask``: (b, 1, s, s) bool of document masking, or None (causal)."""
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, cache: KVCacheSlot | None = None,
+                rotary: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask``: (b, 1, s, s) bool of document masking, or None (causal). ``rotary``: RoPE's tables, or None."""
         qkv = self.query_key_value(x)  # (b, s, 3h/tp) = [q_r | k_r | v_r]
         q, k, v = qkv.split(self.hidden_per_partition, dim=-1)  # 3 x (b, s, h/tp)
+        if rotary is not None:  # new q, k; v copied too, so that nothing keeps the fused output alive for backward
+            q, k = (apply_rotary(t, rotary, self.head_dim, self.rotary_interleaved) for t in (q, k))
+            v = v.contiguous()
         p = self.dropout_p if self.training else 0.0
         ctx = core_attention(q, k, v, self.head_dim, p, self.rng_tracker, cache, self.recompute_core,
-                             mask)  # (b, s, h/tp)
+                             mask, self.cp_group)  # (b, s, h/tp)
         return self.dense(ctx)  # (b, s, h), or (b, s/tp, h) under SP
 
 
 class TopQueryAttention(nn.Module):
     """CodeGeeX's top query attention: keys and values from the hidden states (fused KV, stride 2),
-    queries from a separate embedding of the position (query i predicts token i + 1)."""
+    queries from a separate embedding of the position (query i predicts token i + 1); under RoPE from one learned
+    row, rotated by the position like the keys (model/rotary.py)."""
 
     def __init__(self, config: ModelConfig, tp_group: ProcessGroup | None, rng_tracker: RNGStatesTracker | None,
                  init: ParamInit, prefix: str, *, sequence_parallel: bool = False, recompute: Recompute = Recompute(),
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+                 cp_group: ProcessGroup | None = None, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None):
         super().__init__()
         h, sp = config.hidden_size, sequence_parallel
         self.head_dim, self.dropout_p, self.rng_tracker = config.head_dim, config.attention_dropout, rng_tracker
+        self.cp_group = cp_group  # context parallelism: ring attention over it (None or one rank: SDPA)
+        self.rotary_interleaved = config.rotary_interleaved
         self.recompute_core = recompute.selects("core_attn")
         self.hidden_per_partition = divide(h, group_size(tp_group), "hidden size")
         self.query = ColumnParallelLinear(h, h, tp_group, sequence_parallel=sp, dtype=dtype, device=device,
@@ -213,11 +253,15 @@ class TopQueryAttention(nn.Module):
                                        device=device, init_method=init.scaled(prefix + "dense.weight"))
 
     def forward(self, x: torch.Tensor, query_embeds: torch.Tensor, mask: torch.Tensor | None = None,
-                cache: KVCacheSlot | None = None) -> torch.Tensor:
-        """``mask``: (b, 1, s, s) bool of document masking, or None (causal)."""
+                cache: KVCacheSlot | None = None, rotary: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask``: (b, 1, s, s) bool of document masking, or None (causal). ``rotary``: RoPE's tables, or None
+        (the queries then carry their position in ``query_embeds``)."""
         q = self.query(query_embeds)  # (b, s, h/tp)
         k, v = self.key_value(x).split(self.hidden_per_partition, dim=-1)  # 2 x (b, s, h/tp)
+        if rotary is not None:  # as in ParallelSelfAttention
+            q, k = (apply_rotary(t, rotary, self.head_dim, self.rotary_interleaved) for t in (q, k))
+            v = v.contiguous()
         p = self.dropout_p if self.training else 0.0
         ctx = core_attention(q, k, v, self.head_dim, p, self.rng_tracker, cache, self.recompute_core,
-                             mask)  # (b, s, h/tp)
+                             mask, self.cp_group)  # (b, s, h/tp)
         return self.dense(ctx)  # (b, s, h), or (b, s/tp, h) under SP

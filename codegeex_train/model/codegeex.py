@@ -15,13 +15,17 @@ A stage without ``pre_process`` takes hidden states (b, s, h) instead of ids; on
 one tuple of layer numbers each): ``model(x, position_ids, chunk=c)`` runs chunk c's layers only, the embedding
 being part of chunk 0 (``pre_process``) and the head of the last chunk (``post_process``); one module, one
 state dict with the same global names as a stage holding those layers, so checkpoints do not depend on v. Position ids are always passed: the last stage's top query layer
-looks its queries up by position. Parameter names use global layer numbers (``layers.7.mlp...``), so a
-stage's state dict keys and initial values do not depend on how the layers are split.
+looks its queries up by position, and under RoPE (--position-embedding-type rope, model/rotary.py) every attention
+rotates its queries and keys by them (no learned position table then; the top query table has one row). Parameter
+names use global layer numbers (``layers.7.mlp...``), so a stage's state dict keys and initial values do not depend
+on how the layers are split.
 
 Training options that change no parameter: ``sequence_parallel`` (hidden states between stages and layers are
-(b, s/tp, h): each TP rank holds its part of the sequence; the output layer gathers it) and ``recompute``
-(config/recompute.py: full layers or selected parts re-run in backward). A checkpoint saved with either loads
-without it. Decoding with a KV cache never splits the sequence: build the model without ``sequence_parallel``.
+(b, s/tp, h): each TP rank holds its part of the sequence; the output layer gathers it), ``recompute``
+(config/recompute.py: full layers or selected parts re-run in backward) and ``cp_group`` (context parallelism: the
+inputs, position ids and labels are this CP rank's two chunks of each sequence, positions global; attention is a
+ring over the group, everything else per token). A checkpoint saved with any of them loads without it. Decoding
+with a KV cache never splits the sequence: build the model without ``sequence_parallel`` or ``cp_group``.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from codegeex_train.config.recompute import Recompute
 from codegeex_train.model.attention import KVCache, document_attention_mask
 from codegeex_train.model.embedding import ReplicatedEmbedding, parallel_lm_logits, word_embeddings
 from codegeex_train.model.init import ParamInit
+from codegeex_train.model.rotary import rotary_tables
 from codegeex_train.model.transformer import (
     ParallelTransformerLayer,
     TopQueryLayer,
@@ -59,6 +64,7 @@ class CodeGeeXModel(nn.Module):
                  layer_numbers: Sequence[int] | None = None, chunk_layers: Sequence[Sequence[int]] | None = None,
                  checkpoint_activations: bool = False,
                  sequence_parallel: bool = False, recompute: Recompute | None = None,
+                 cp_group: ProcessGroup | None = None,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
         super().__init__()
         config.validate(group_size(tp_group))  # a bad shape fails here, before any weight or collective
@@ -79,13 +85,14 @@ class CodeGeeXModel(nn.Module):
         init = ParamInit(seed, config.init_method_std, config.num_layers)
         h, kw = config.hidden_size, {"dtype": dtype, "device": device}
         sp, sp_group = self.sequence_parallel, tp_group if self.sequence_parallel else None
-        layer_kw = {**kw, "sequence_parallel": sp, "recompute": recompute}
+        self.cp_group = cp_group if group_size(cp_group) > 1 else None
+        layer_kw = {**kw, "sequence_parallel": sp, "recompute": recompute, "cp_group": self.cp_group}
 
         if pre_process or post_process:
             self.word_embeddings = word_embeddings(config.padded_vocab_size, h, tp_group, init, sequence_parallel=sp,
                                                    **kw)
-        if pre_process:
-            self.position_embeddings = ReplicatedEmbedding(config.max_position_embeddings, h, init,
+        if pre_process and config.position_table_rows:  # learned_absolute (none under RoPE)
+            self.position_embeddings = ReplicatedEmbedding(config.position_table_rows, h, init,
                                                            "position_embeddings.weight", sp_group=sp_group, **kw)
         # Keys are global layer numbers: the names (and so the init seeds) are the same at every PP split.
         self.layers = nn.ModuleDict({
@@ -95,7 +102,8 @@ class CodeGeeXModel(nn.Module):
         if post_process:
             self.final_layernorm = layer_norm(config, dtype, device, sp_group)
             if config.top_query_layer:
-                self.top_query_embeddings = ReplicatedEmbedding(config.max_position_embeddings, h, init,
+                # A row per position; under RoPE one row, rotated by the position in the attention
+                self.top_query_embeddings = ReplicatedEmbedding(config.top_query_rows, h, init,
                                                                 "top_query_embeddings.weight", sp_group=sp_group, **kw)
                 self.top_query_layer = TopQueryLayer(config, tp_group, rng_tracker, init, "top_query_layer.",
                                                      **layer_kw)
@@ -111,7 +119,8 @@ class CodeGeeXModel(nn.Module):
         the plan's sequence parallelism and recompute choice."""
         return cls(config, topology.tp_group, rng_tracker, seed=seed, pre_process=topology.is_first_stage,
                    post_process=topology.is_last_stage, chunk_layers=plan.rank_chunks(topology.pp_rank),
-                   sequence_parallel=plan.sequence_parallel, recompute=plan.recompute, device=device)
+                   sequence_parallel=plan.sequence_parallel, recompute=plan.recompute, cp_group=topology.cp_group,
+                   device=device)
 
     @property
     def num_chunks(self) -> int:
@@ -132,26 +141,34 @@ class CodeGeeXModel(nn.Module):
     def _recomputing(self) -> bool:
         return self.training and torch.is_grad_enabled()
 
-    def _run_layers(self, hidden: torch.Tensor, chunk: int, mask: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def _run_layers(self, hidden: torch.Tensor, chunk: int, mask: tuple[torch.Tensor, ...],
+                    rotary: torch.Tensor | None) -> torch.Tensor:
         """The chunk's layers in order; under full recompute each unit keeps its input (and the document mask, if
-        any: ``mask`` is () or its one (b, 1, s, s) tensor) only."""
+        any: ``mask`` is () or its one (b, 1, s, s) tensor, and RoPE's tables) only."""
         layers = [self.layers[str(i)] for i in self.chunk_layers[chunk]]
         i = 0
         while i < len(layers):
             unit = self._unit_of[chunk].get(i) if self._recomputing() else None
             if unit is None:
-                hidden = layers[i](hidden, *mask)
+                hidden = layers[i](hidden, *mask, rotary=rotary)
                 i += 1
                 continue
 
-            def run(x, *mask_, chunk=tuple(layers[j] for j in unit)):
+            def run(x, *mask_, rotary=None, chunk=tuple(layers[j] for j in unit)):
                 for layer in chunk:
-                    x = layer(x, *mask_)
+                    x = layer(x, *mask_, rotary=rotary)
                 return x
 
-            hidden = checkpoint(run, self.rng_tracker, hidden, *mask)  # restores both RNG streams on recompute
+            hidden = self._checkpoint(run, hidden, *mask, rotary=rotary)
             i = unit[-1] + 1
         return hidden
+
+    def _checkpoint(self, function, *args: torch.Tensor, rotary: torch.Tensor | None) -> torch.Tensor:
+        """``function(*args, rotary=rotary)`` under full recompute: RoPE's tables, when given, travel as the last
+        ``checkpoint`` input (restores both RNG streams on recompute)."""
+        if rotary is None:
+            return checkpoint(function, self.rng_tracker, *args)
+        return checkpoint(lambda *a: function(*a[:-1], rotary=a[-1]), self.rng_tracker, *args, rotary)
 
     def new_kv_cache(self, batch_size: int, capacity: int) -> KVCache:
         """An empty KVCache for this stage's attentions (its layers, then the top query layer), this rank's heads,
@@ -179,6 +196,9 @@ class CodeGeeXModel(nn.Module):
         ``chunk``: the model chunk to run (interleaved 1F1B); "first stage" / "last stage" above then mean chunk 0
         of a ``pre_process`` model / the last chunk of a ``post_process`` one.
 
+        Under RoPE every attention of this call rotates its queries and keys by ``position_ids`` (one (cos, sin) table
+        computed here, shared by all; decoding passes the new tokens' positions).
+
         ``document_ids`` (b, s) int, training only (--reset-attention-mask): the document of each position of a
         packed sample (the whole sequence, also under sequence parallelism); every attention of this call, the top
         query layer's included, then sees only earlier positions of the same document, through one (b, 1, s, s)
@@ -193,6 +213,8 @@ class CodeGeeXModel(nn.Module):
         self.config.check_sequence_length(position_ids.shape[-1])
         if kv_cache is None and attention_mask is not None:
             raise ValueError("attention_mask needs kv_cache: padding is supported when decoding only")
+        if kv_cache is not None and self.cp_group is not None:
+            raise ValueError("decoding with a KV cache runs whole sequences: build the model without cp_group")
         if kv_cache is not None and document_ids is not None:
             raise ValueError("document_ids go with training, not kv_cache (decoding masks padding only)")
         if document_ids is not None and document_ids.shape != position_ids.shape:
@@ -208,17 +230,21 @@ class CodeGeeXModel(nn.Module):
             raise ValueError("decoding with a KV cache splits no sequence: build the model without sequence_parallel")
         if pre_process:
             words = self.word_embeddings(inputs)  # (b, s, h) all-reduced over TP; SP: (b, s/tp, h) reduce-scattered
-            hidden = words + self.position_embeddings(position_ids)
+            hidden = words if self.config.rope else words + self.position_embeddings(position_ids)
             # replicated: the default stream; split along the sequence (SP): the per-TP-rank stream
             hidden = sequence_parallel_dropout(hidden, self.config.hidden_dropout, self.training, self.rng_tracker,
                                                self.sequence_parallel)
         else:
             hidden = inputs  # (b, s, h), or (b, s/tp, h) under SP, from the previous stage
+        # RoPE: one (2, b, s, 1, r/2) cos / sin table for every attention of this call, the whole sequence's (under
+        # SP too: the attention sees all of it), in the activations' dtype
+        rotary = rotary_tables(position_ids, self.config.rotary_dim, self.config.rotary_base,
+                               hidden.dtype) if self.config.rope else None
         if kv_cache is None:
-            hidden = self._run_layers(hidden, chunk, mask)
+            hidden = self._run_layers(hidden, chunk, mask, rotary)
         else:
             for slot, layer in enumerate(self.layers.values()):
-                hidden = layer(hidden, cache=kv_cache.slot(slot))
+                hidden = layer(hidden, rotary=rotary, cache=kv_cache.slot(slot))
         if not post_process:
             if kv_cache is not None:
                 kv_cache.commit()
@@ -226,13 +252,14 @@ class CodeGeeXModel(nn.Module):
 
         hidden = self.final_layernorm(hidden)
         if self.config.top_query_layer:
-            queries = self.top_query_embeddings(position_ids)  # (b, s, h), or (b, s/tp, h) under SP
+            # (b, s, h), or (b, s/tp, h) under SP: the row of each position, or under RoPE the one row everywhere
+            queries = self.top_query_embeddings(torch.zeros_like(position_ids) if self.config.rope else position_ids)
             if kv_cache is None and self._recompute_top_query and self._recomputing():
-                hidden = checkpoint(self.top_query_layer, self.rng_tracker, hidden, queries, *mask)
+                hidden = self._checkpoint(self.top_query_layer, hidden, queries, *mask, rotary=rotary)
             elif kv_cache is None:
-                hidden = self.top_query_layer(hidden, queries, *mask)
+                hidden = self.top_query_layer(hidden, queries, *mask, rotary=rotary)
             else:  # keys/values from the final hidden states, cached like every layer's
-                hidden = self.top_query_layer(hidden, queries, cache=kv_cache.slot(len(self.layers)))
+                hidden = self.top_query_layer(hidden, queries, rotary=rotary, cache=kv_cache.slot(len(self.layers)))
         if kv_cache is not None:
             kv_cache.commit()
         if last_token_only:

@@ -1,4 +1,5 @@
-"""Input embeddings (vocab-parallel words + replicated learned positions) and the tied output layer."""
+"""Input embeddings (vocab-parallel words + replicated learned positions; none under RoPE, model/rotary.py) and the
+tied output layer."""
 
 from __future__ import annotations
 

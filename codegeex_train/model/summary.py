@@ -19,10 +19,10 @@ def _layer_parameters(h: int, ffn: int) -> int:
 def count_parameters(config: ModelConfig) -> int:
     """Parameters of the whole model (all TP ranks and stages, the tied embedding counted once)."""
     h, ffn = config.hidden_size, config.ffn_hidden_size
-    total = config.padded_vocab_size * h + config.max_position_embeddings * h  # words, positions
+    total = config.padded_vocab_size * h + config.position_table_rows * h  # words, positions (none: RoPE)
     total += config.num_layers * _layer_parameters(h, ffn) + 2 * h  # layers, final LayerNorm
     if config.top_query_layer:
-        total += config.max_position_embeddings * h + _layer_parameters(h, ffn)  # query table, top layer
+        total += config.top_query_rows * h + _layer_parameters(h, ffn)  # query table (one row: RoPE), top layer
     return total
 
 

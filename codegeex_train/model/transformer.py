@@ -65,7 +65,7 @@ class ParallelTransformerLayer(nn.Module):
 
     def __init__(self, config: ModelConfig, tp_group: ProcessGroup | None, rng_tracker: RNGStatesTracker | None,
                  init: ParamInit, prefix: str, *, sequence_parallel: bool = False, recompute: Recompute = Recompute(),
-                 dtype: torch.dtype = torch.float32, device=None):
+                 cp_group: ProcessGroup | None = None, dtype: torch.dtype = torch.float32, device=None):
         super().__init__()
         self.hidden_dropout, self.rng_tracker = config.hidden_dropout, rng_tracker
         self.sequence_parallel = sequence_parallel and group_size(tp_group) > 1
@@ -74,7 +74,7 @@ class ParallelTransformerLayer(nn.Module):
         self.input_layernorm = layer_norm(config, dtype, device, sp_group)
         self.attention = self.attention_class(config, tp_group, rng_tracker, init, prefix + "attention.",
                                               sequence_parallel=self.sequence_parallel, recompute=recompute,
-                                              dtype=dtype, device=device)
+                                              cp_group=cp_group, dtype=dtype, device=device)
         self.post_attention_layernorm = layer_norm(config, dtype, device, sp_group)
         self.mlp = ParallelMLP(config, tp_group, init, prefix + "mlp.", sequence_parallel=self.sequence_parallel,
                                recompute=recompute, dtype=dtype, device=device)
@@ -91,20 +91,23 @@ class ParallelTransformerLayer(nn.Module):
                 return consumer(normed, *args, **kwargs)
         return consumer(normed, *args, **kwargs)
 
-    def forward(self, x: torch.Tensor, *attention_args: torch.Tensor, cache: KVCacheSlot | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *attention_args: torch.Tensor, rotary: torch.Tensor | None = None,
+                cache: KVCacheSlot | None = None) -> torch.Tensor:
         """``attention_args``: the attention's inputs after its hidden states: the top query layer's query embeddings,
-        then (any layer) the (b, 1, s, s) bool document mask of --reset-attention-mask when there is one (a plain
-        tensor argument, so that full recompute's ``checkpoint`` saves it as an input). ``cache``: this layer's slot of
-        a KVCache when decoding incrementally (see attention.py)."""
-        attn = self._normed(self.input_layernorm, x, self.attention, *attention_args, cache=cache)  # (b, s, h)
+        then (any layer) the (b, 1, s, s) bool document mask of --reset-attention-mask when there is one. ``rotary``:
+        the forward's RoPE tables (2, b, s, 1, r/2) under --position-embedding-type rope. Under full recompute both
+        are ``checkpoint`` inputs (plain tensor arguments, saved by reference). ``cache``: this layer's slot of a
+        KVCache when decoding incrementally (see attention.py)."""
+        attn = self._normed(self.input_layernorm, x, self.attention, *attention_args, rotary=rotary,
+                            cache=cache)  # (b, s, h)
         y = x + self._dropout(attn)
         return y + self._dropout(self._normed(self.post_attention_layernorm, y, self.mlp))
 
 
 class TopQueryLayer(ParallelTransformerLayer):
     """CodeGeeX's last layer: the same residual structure, but attention queries come from the position
-    (``forward(h, query_embeds)``). Input h is the final-LayerNorm'd output of the regular stack:
-    y = h + drop(attn(LN_in(h), query_embeds)); out = y + drop(mlp(LN_post(y))). The output feeds the
-    logits directly, with no further LayerNorm."""
+    (``forward(h, query_embeds)``; under RoPE from one learned row, rotated by the position). Input h is the
+    final-LayerNorm'd output of the regular stack: y = h + drop(attn(LN_in(h), query_embeds));
+    out = y + drop(mlp(LN_post(y))). The output feeds the logits directly, with no further LayerNorm."""
 
     attention_class = TopQueryAttention

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from codegeex_train.config.arguments import ConfigError, DataConfig, TrainConfig
+from codegeex_train.context_parallel.chunks import split_for_context_parallel
 from codegeex_train.data.fim import fim_from_flags
 from codegeex_train.data.gpt_dataset import (
     build_datasets_from_paths,
@@ -129,24 +130,43 @@ def document_position_ids(tokens: torch.Tensor, eod: int) -> torch.Tensor:
     return index - first  # (b, s)
 
 
-def get_batch(batch: dict, device: torch.device, masking: DocumentMasking | None = None) -> dict[str, torch.Tensor]:
+@dataclass(frozen=True)
+class ContextParallelShare:
+    """Which part of every sequence this rank's layers see under context parallelism: chunks r and 2·cp-1-r of
+    2·cp (context_parallel/chunks.py). cp_size 1: the whole sequence."""
+
+    cp_rank: int = 0
+    cp_size: int = 1
+
+    def split(self, t: torch.Tensor) -> torch.Tensor:
+        """(b, s, ...) -> (b, s/cp, ...): this rank's two chunks of the sequence dimension, in order."""
+        return split_for_context_parallel(t, 1, self.cp_rank, self.cp_size)
+
+
+def get_batch(batch: dict, device: torch.device, masking: DocumentMasking | None = None,
+              cp: ContextParallelShare | None = None) -> dict[str, torch.Tensor]:
     """Inputs, shifted labels, positions and the loss mask of one packed micro-batch; with ``masking``, Megatron's
     document masking (every rule reads the INPUT tokens, as Megatron's get_ltor_masks_and_position_ids does):
     positions restart after each EOD, ``document_ids`` (b, s) are added for the block-causal attention (the model
     builds its (b, 1, s, s) mask from them: tokens see their own document only), and the loss skips positions
-    whose input is EOD (the prediction of a new document's first token from nothing of it)."""
+    whose input is EOD (the prediction of a new document's first token from nothing of it).
+
+    With ``cp`` (context parallelism) every rule reads the whole sequence first, then each (b, s) tensor keeps this
+    rank's s/cp positions (positions stay global: the chunks' own), and ``loss_count`` holds the whole sequence's
+    unmasked tokens, so that the CP ranks' loss shares add up to the mean without a collective (stage.py)."""
     text = batch["text"].to(device, non_blocking=True)  # (b, s + 1)
     tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
     out = {"input_ids": tokens, "labels": labels, "position_ids": position_ids(*tokens.shape, device),
            "loss_mask": torch.ones_like(labels, dtype=torch.float32)}
     if "loss_mask" in batch:  # FIM's <fim_pad> padding (data/fim.py): no loss where the label is padding
         out["loss_mask"] = out["loss_mask"] * batch["loss_mask"].to(device, non_blocking=True)
-    if masking is None or not masking.enabled:
+    if masking is not None and masking.enabled:
+        if masking.reset_position_ids:
+            out["position_ids"] = document_position_ids(tokens, masking.eod)
+        if masking.reset_attention_mask:
+            out["document_ids"] = document_ids(tokens, masking.eod)
+        if masking.eod_mask_loss:
+            out["loss_mask"][tokens == masking.eod] = 0.0
+    if cp is None or cp.cp_size == 1:
         return out
-    if masking.reset_position_ids:
-        out["position_ids"] = document_position_ids(tokens, masking.eod)
-    if masking.reset_attention_mask:
-        out["document_ids"] = document_ids(tokens, masking.eod)
-    if masking.eod_mask_loss:
-        out["loss_mask"][tokens == masking.eod] = 0.0
-    return out
+    return {name: cp.split(t) for name, t in out.items()} | {"loss_count": out["loss_mask"].sum()}

@@ -31,7 +31,7 @@ from typing import Iterator
 
 import torch
 
-from codegeex_train.training.batches import DocumentMasking, get_batch, position_ids
+from codegeex_train.training.batches import ContextParallelShare, DocumentMasking, get_batch, position_ids
 
 
 def masked_mean(loss_per_token: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
@@ -40,18 +40,34 @@ def masked_mean(loss_per_token: torch.Tensor, loss_mask: torch.Tensor) -> torch.
     return (loss_per_token * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
 
 
+def context_parallel_loss(loss_per_token: torch.Tensor, loss_mask: torch.Tensor, loss_count: torch.Tensor,
+                          cp_size: int) -> torch.Tensor:
+    """A CP rank's share of the micro-batch's mean loss, times CP: its tokens' loss sum over the WHOLE sequence's
+    unmasked count (``loss_count``, every CP rank knows it from the batch it sliced), so the shares of the CP ranks
+    sum to ``masked_mean`` of the whole sequence. Times CP because DeepSpeed averages gradients over DP x CP
+    (the CP ranks' sum is what a DP rank contributes); averaged over DP x CP for logging it is the mean again."""
+    return (loss_per_token * loss_mask).sum() / loss_count.clamp(min=1.0) * cp_size
+
+
 class EngineStage:
     """Forward/backward of one stage for one optimizer step (or one evaluation pass)."""
 
     def __init__(self, engine, batches: Iterator[dict] | None, *, is_first: bool, is_last: bool,
                  micro_batch_size: int, seq_length: int, device: torch.device, num_microbatches: int,
-                 first_forward_context=None, num_chunks: int = 1, masking: DocumentMasking | None = None):
+                 first_forward_context=None, num_chunks: int = 1, masking: DocumentMasking | None = None,
+                 cp: ContextParallelShare | None = None):
         self.engine, self.batches = engine, batches
+        self.cp = cp if cp is not None and cp.cp_size > 1 else None
         self.num_chunks = num_chunks
         self.masking = masking if masking is not None and masking.enabled else None
         self.first_forward_context = first_forward_context  # wraps micro-batch 0's forward (memory accounting)
         self.is_first, self.is_last = is_first, is_last
-        self.shape, self.device = (micro_batch_size, seq_length), device
+        self.shape, self.device = (micro_batch_size, seq_length), device  # the whole sequence, also under CP
+        # Positions for chunks that read no batch (the top query layer looks queries up by position): this rank's
+        # part of 0 .. s-1 under CP.
+        self.positions = position_ids(micro_batch_size, seq_length, device)
+        if self.cp is not None:
+            self.positions = self.cp.split(self.positions)
         self.num_microbatches = num_microbatches
         self.losses: list[torch.Tensor] = []
         self.backwards = 0
@@ -83,6 +99,8 @@ class EngineStage:
             assert mb == self._read, f"micro-batch {mb} needed before {self._read}: the schedule's order changed"
             # masking off: called as always (tests record get_batch's calls with these two arguments)
             args = (self.device,) if self.masking is None else (self.device, self.masking)
+            if self.cp is not None:
+                args = (self.device, self.masking, self.cp)
             self._held[mb] = get_batch(next(self.batches), *args)
             self._read += 1
         return self._held.pop(mb) if chunk == self._last_reader else self._held[mb]
@@ -90,7 +108,7 @@ class EngineStage:
     def forward_step(self, mb: int, input_tensor: torch.Tensor | None, chunk: int = 0) -> torch.Tensor:
         first, last = self._first(chunk), self._last(chunk)
         batch = self._batch(mb, chunk)
-        positions = batch["position_ids"] if batch else position_ids(*self.shape, self.device)
+        positions = batch["position_ids"] if batch else self.positions
         if first:
             inputs = batch["input_ids"]
         else:
@@ -103,7 +121,10 @@ class EngineStage:
             output = self.engine(inputs, positions, labels=batch["labels"] if last else None, **kw)
         if not last:
             return output  # (b, s, h)
-        loss = masked_mean(output, batch["loss_mask"])
+        if self.cp is None:
+            loss = masked_mean(output, batch["loss_mask"])
+        else:
+            loss = context_parallel_loss(output, batch["loss_mask"], batch["loss_count"], self.cp.cp_size)
         self.losses.append(loss.detach())
         return loss
 

@@ -30,7 +30,7 @@ from codegeex_train.pipeline import (
     with_p2p_ops,
 )
 from codegeex_train.tensor_parallel import RNGStatesTracker
-from codegeex_train.training.batches import DocumentMasking
+from codegeex_train.training.batches import ContextParallelShare, DocumentMasking
 from codegeex_train.training.exit_conditions import (
     ExitConditions,
     NumericalHealth,
@@ -130,7 +130,7 @@ class Run:
             self.engine, batches, is_first=self.topology.is_first_stage, is_last=self.topology.is_last_stage,
             micro_batch_size=plan.micro_batch_size, seq_length=plan.seq_length, device=self.device,
             num_microbatches=plan.num_microbatches, first_forward_context=first_forward_context, num_chunks=v,
-            masking=self.masking)
+            masking=self.masking, cp=ContextParallelShare(self.topology.cp_rank, plan.cp_size))
 
     def schedule(self, *, train: bool = True, num_microbatches: int | None = None):
         """This rank's ops for one training step (1F1B, interleaved when v > 1) or a forward-only pass."""

@@ -236,3 +236,34 @@ def test_sequence_length_not_divisible_by_tp_is_one_line_before_any_process_grou
     assert err.splitlines() == [("error: --sequence-parallel splits --seq-length 30 over --tensor-model-parallel-size "
                                  "4: use a sequence length divisible by 4")], err
     assert not dist.is_initialized() and list(tmp_path.iterdir()) == []
+
+
+def test_context_parallel_layout_and_batch_arithmetic():
+    # 16 ranks = TP 2 x CP 2 x PP 2 x DP 2: CP is a dimension of the plan, not of the batch (DP stays 2)
+    plan = validate(args_for("--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
+                             "--pipeline-model-parallel-size", "2", "--num-layers", "4", "--seq-length", "64",
+                             "--micro-batch-size", "2", "--global-batch-size", "8", "--max-position-embeddings", "64",
+                             "--sequence-parallel"), world_size=16)
+    assert (plan.tp_size, plan.cp_size, plan.pp_size, plan.dp_size) == (2, 2, 2, 2)
+    assert (plan.num_microbatches, plan.global_batch_size, plan.local_seq_length) == (2, 8, 32)
+    assert plan.p2p_shape == (2, 16, 256)  # s / CP / TP under SP
+    # DeepSpeed's data-parallel world is DP x CP: its train batch counts each CP rank's share of a sequence once
+    config = build_deepspeed_config(args_for("--context-parallel-size", "2", "--micro-batch-size", "2",
+                                             "--seq-length", "64"), validate(
+        args_for("--context-parallel-size", "2", "--micro-batch-size", "2", "--seq-length", "64"), world_size=4))
+    assert (config["train_batch_size"], config["train_micro_batch_size_per_gpu"],
+            config["gradient_accumulation_steps"]) == (8, 2, 1)
+
+
+@pytest.mark.parametrize("argv,world,message", [
+    (["--context-parallel-size", "2", "--seq-length", "66"], 2, "divisible by 4"),
+    (["--context-parallel-size", "3"], 4, "x context-parallel size 3"),
+    (["--context-parallel-size", "2", "--seq-length", "36", "--tensor-model-parallel-size", "4",
+      "--sequence-parallel"], 8, "each CP rank's 18 tokens.*divisible by 8"),
+    (["--context-parallel-size", "2", "--reset-attention-mask"], 2, "--reset-attention-mask with"),
+    (["--context-parallel-size", "2", "--eval-humaneval-interval", "5"], 2, "--context-parallel-size 1"),
+    (["--context-parallel-size", "0"], 2, "--context-parallel-size"),
+])
+def test_context_parallel_refusals_name_the_flags(argv, world, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(args_for(*argv), world)

@@ -11,6 +11,7 @@ from codegeex_train.model import CodeGeeXModel, ModelConfig
 NEW_TOKENS = 64  # the HF parity length
 PROMPT_LENGTHS = (3, 11, 6)
 SAMPLING = SamplingParams(max_new_tokens=24, temperature=1.0, top_k=40, top_p=0.9, seed=7)
+ROPE = {"position_embedding_type": "rope", "rotary_percent": 0.5}  # a RoPE model for tiny_config
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -66,11 +67,17 @@ def cache_vs_full(model: CodeGeeXModel, steps: int = 8, seed: int = 0) -> dict:
 
 def tp_rank_checks(topology, ckpt_dir: str, prompts: list[list[int]]) -> dict:
     """On each rank of a TP group: cached vs full logits of random models (with and without the top query
-    layer), greedy and seeded sampling from a converted checkpoint."""
+    layer; a RoPE one, also decoded greedily with and without the cache), greedy and seeded sampling from a
+    converted checkpoint."""
     out = {}
     for top_query in (True, False):
         model = CodeGeeXModel(tiny_config(top_query_layer=top_query), topology.tp_group, None, seed=11)
         out[f"cache_top_query_{top_query}"] = cache_vs_full(model)
+    rope = Generator(CodeGeeXModel(tiny_config(**ROPE), topology.tp_group, None, seed=11), None)
+    out["cache_rope"] = cache_vs_full(rope.model)
+    greedy = SamplingParams(max_new_tokens=40)
+    out["rope_greedy"] = rope.generate_ids(ragged_prompts(100), greedy)
+    out["rope_greedy_no_cache"] = rope.generate_ids(ragged_prompts(100), greedy, use_cache=False)
     gen = Generator.from_checkpoint(ckpt_dir, None, tp_group=topology.tp_group)
     out["greedy"] = gen.generate_ids(prompts, SamplingParams(max_new_tokens=NEW_TOKENS))
     out["sampled"] = gen.generate_ids(prompts, SAMPLING)

@@ -1,12 +1,14 @@
 """Incremental decoding with the KV cache computes the full forward's logits at every step (fp32, <= 1e-5), at
-TP 1 and TP 2 (real gloo ranks), with and without the top query layer; and the cache's bookkeeping."""
+TP 1 and TP 2 (real gloo ranks), with and without the top query layer, with learned and rotary positions; greedy
+decoding of a RoPE model with the cache gives the tokens of recomputing every step; and the cache's bookkeeping."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from gen_helpers import cache_vs_full, max_err, tiny_config
+from gen_helpers import ROPE, cache_vs_full, max_err, ragged_prompts, tiny_config
 
+from codegeex_train.generation import Generator, SamplingParams
 from codegeex_train.model import CodeGeeXModel
 
 TOL = 1e-5
@@ -27,6 +29,33 @@ def test_cached_logits_equal_full_forward_tp2(tp2_results, top_query):
         r = result[f"cache_top_query_{top_query}"]
         assert r["largest_logit"] > 1.0
         assert max(r["errors"]) <= TOL, (rank, r["errors"])
+
+
+@pytest.mark.parametrize("top_query", [True, False])
+def test_rope_cached_logits_equal_full_forward_tp1(top_query):
+    """Each step's keys are turned by their own positions before the cache stores them (ragged rows: the
+    positions of a left-padded row start at its first real token)."""
+    result = cache_vs_full(CodeGeeXModel(tiny_config(**ROPE, top_query_layer=top_query), None, None, seed=11))
+    assert result["largest_logit"] > 1.0 and len(result["errors"]) == 10
+    assert max(result["errors"]) <= TOL, result["errors"]
+
+
+def test_rope_greedy_with_cache_equals_recomputing():
+    model = CodeGeeXModel(tiny_config(**ROPE), None, None, seed=11)
+    gen, greedy = Generator(model, None), SamplingParams(max_new_tokens=40)
+    prompts = ragged_prompts(100)
+    cached = gen.generate_ids(prompts, greedy)
+    # Tiny random models fall into loops: these rows still hold 6 distinct tokens between them
+    assert all(len(t) == 40 for t in cached) and len(set(sum(cached, []))) >= 5
+    assert cached == gen.generate_ids(prompts, greedy, use_cache=False)
+
+
+def test_rope_tp2_caches_and_decodes_as_tp1(tp2_results):
+    tp1 = Generator(CodeGeeXModel(tiny_config(**ROPE), None, None, seed=11), None)
+    expected = tp1.generate_ids(ragged_prompts(100), SamplingParams(max_new_tokens=40))
+    for rank, result in enumerate(tp2_results):
+        assert max(result["cache_rope"]["errors"]) <= TOL, (rank, result["cache_rope"]["errors"])
+        assert result["rope_greedy"] == result["rope_greedy_no_cache"] == expected, rank
 
 
 def test_top_query_layer_is_cached():

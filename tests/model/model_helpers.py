@@ -73,21 +73,47 @@ def _attend(q, k, v, heads):
     return (probs @ v).permute(0, 2, 1, 3).reshape(b, s, h)
 
 
+def _rope(t, position_ids, config):
+    """RoPE as complex numbers: channel pair (a, b) of each head as a + ib, times e^(i position theta_j); pairs
+    (j, j + r/2), or (2j, 2j + 1) interleaved; the channels past r pass through. Float64 angles."""
+    if config.position_embedding_type != "rope":
+        return t
+    b, s, h = t.shape
+    d, r = config.hidden_size // config.num_attention_heads, int(config.hidden_size // config.num_attention_heads
+                                                                  * config.rotary_percent)
+    t = t.reshape(b, s, -1, d)
+    theta = float(config.rotary_base) ** (-torch.arange(0, r, 2, dtype=torch.float64) / r)  # (r/2,)
+    turn = torch.polar(torch.ones(b, s, 1, r // 2, dtype=torch.float64), position_ids[..., None, None] * theta)
+    rot = t[..., :r]
+    if config.rotary_interleaved:
+        z = torch.complex(rot[..., 0::2], rot[..., 1::2]) * turn
+        rot = torch.stack([z.real, z.imag], dim=-1).flatten(-2)
+    else:
+        z = torch.complex(rot[..., : r // 2], rot[..., r // 2:]) * turn
+        rot = torch.cat([z.real, z.imag], dim=-1)
+    return torch.cat([rot, t[..., r:]], dim=-1).reshape(b, s, h)
+
+
 def _mlp(x, sd, p, act):
     inner = _act(x @ sd[p + "mlp.dense_h_to_4h.weight"].T + sd[p + "mlp.dense_h_to_4h.bias"], act)
     return inner @ sd[p + "mlp.dense_4h_to_h.weight"].T + sd[p + "mlp.dense_4h_to_h.bias"]
 
 
 def dense_logits(sd: dict[str, torch.Tensor], config: ModelConfig, ids, position_ids) -> torch.Tensor:
-    """Full logits (b, s, padded v) from a TP=1 state dict, dropout off, float64."""
+    """Full logits (b, s, padded v) from a TP=1 state dict, dropout off, float64. Learned positions, or RoPE: no
+    table, queries and keys of every attention turned by the position, the top query table's one row everywhere."""
     sd = {k: v.double() for k, v in sd.items()}
     eps, heads, h, act = config.layernorm_epsilon, config.num_attention_heads, config.hidden_size, config.activation
-    x = sd["word_embeddings.weight"][ids] + sd["position_embeddings.weight"][position_ids]
+    rope = config.position_embedding_type == "rope"
+    x = sd["word_embeddings.weight"][ids]
+    if not rope:
+        x = x + sd["position_embeddings.weight"][position_ids]
     for i in range(config.num_layers):
         p = f"layers.{i}."
         a = _ln(x, sd[p + "input_layernorm.weight"], sd[p + "input_layernorm.bias"], eps)
         qkv = a @ sd[p + "attention.query_key_value.weight"].T + sd[p + "attention.query_key_value.bias"]
-        ctx = _attend(qkv[..., :h], qkv[..., h:2 * h], qkv[..., 2 * h:], heads)
+        q, k = (_rope(t, position_ids, config) for t in (qkv[..., :h], qkv[..., h:2 * h]))
+        ctx = _attend(q, k, qkv[..., 2 * h:], heads)
         x = x + ctx @ sd[p + "attention.dense.weight"].T + sd[p + "attention.dense.bias"]
         x = x + _mlp(_ln(x, sd[p + "post_attention_layernorm.weight"], sd[p + "post_attention_layernorm.bias"], eps),
                      sd, p, act)
@@ -95,10 +121,12 @@ def dense_logits(sd: dict[str, torch.Tensor], config: ModelConfig, ids, position
     if config.top_query_layer:
         p = "top_query_layer."
         a = _ln(x, sd[p + "input_layernorm.weight"], sd[p + "input_layernorm.bias"], eps)
-        query = sd["top_query_embeddings.weight"][position_ids]  # query i: "which token comes at i + 1?"
+        # query i: "which token comes at i + 1?"; under RoPE one row, turned by the position
+        query = sd["top_query_embeddings.weight"][torch.zeros_like(position_ids) if rope else position_ids]
         q = query @ sd[p + "attention.query.weight"].T + sd[p + "attention.query.bias"]
         kv = a @ sd[p + "attention.key_value.weight"].T + sd[p + "attention.key_value.bias"]
-        ctx = _attend(q, kv[..., :h], kv[..., h:], heads)
+        q, k = (_rope(t, position_ids, config) for t in (q, kv[..., :h]))
+        ctx = _attend(q, k, kv[..., h:], heads)
         y = x + ctx @ sd[p + "attention.dense.weight"].T + sd[p + "attention.dense.bias"]
         x = y + _mlp(_ln(y, sd[p + "post_attention_layernorm.weight"], sd[p + "post_attention_layernorm.bias"], eps),
                      sd, p, act)

@@ -118,7 +118,7 @@ def flag(argv: list, name: str) -> str:
 def check_batch(layout: dict, argv: list) -> None:
     micro, dp, global_batch = int(layout["MICRO_BATCH"]), int(layout["DP"]), int(layout["GLOBAL_BATCH"])
     assert global_batch == micro * dp * int(layout["MICRO_BATCHES"])
-    assert int(layout["RANKS"]) == dp * int(layout["TP"]) * int(layout["PP"])
+    assert int(layout["RANKS"]) == dp * int(layout["TP"]) * int(layout.get("CP", 1)) * int(layout["PP"])
     assert flag(argv, "--global-batch-size") == str(global_batch) and global_batch % (micro * dp) == 0
     assert flag(argv, "--micro-batch-size") == str(micro)
 
@@ -225,6 +225,23 @@ def test_vpp_interleaves_the_pipeline(script):
     assert dry_run(script)[0]["VPP"] == "none"
 
 
+def test_cp_splits_the_sequence_and_the_layout_line_shows_it(script):
+    """CP=N is --context-parallel-size N after the layout's other flags; DP counts CP out; the arguments' flag wins."""
+    from codegeex_train.config.arguments import parse_args, validate
+
+    script.fake_gpus(8)
+    layout, _, argv = dry_run(script, "--position-embedding-type", "rope", "--max-position-embeddings", "1024",
+                              DEVICE="gpu", TP="2", CP="2", SEQ_LENGTH="1024")
+    assert (layout["TP"], layout["CP"], layout["DP"], layout["SEQ_LENGTH"]) == ("2", "2", "2", "1024")
+    assert flag(argv, "--context-parallel-size") == "2" and flag(argv, "--seq-length") == "1024"
+    check_batch(layout, argv)
+    plan = validate(parse_args(argv[argv.index(f"{ROOT}/codegeex_train/pretrain.py") + 1:]), 8)
+    assert (plan.tp_size, plan.cp_size, plan.dp_size, plan.local_seq_length) == (2, 2, 2, 512)
+    layout, _, argv = dry_run(script, "--context-parallel-size=4", CP="2")
+    assert layout["CP"] == "4" and "--context-parallel-size" not in argv
+    assert dry_run(script)[0]["CP"] == "1" and "--context-parallel-size" not in dry_run(script)[2]
+
+
 @pytest.mark.parametrize("tp, variables, args, sp, recompute", [
     ("8", {}, (), True, "selective"),  # Megatron's choice for TP 8: SP + selective, not full recompute
     ("1", {}, (), False, "selective"),  # no SP at TP 1: its default follows TP
@@ -306,7 +323,11 @@ def test_layout_flags_in_the_arguments_are_the_ones_checked(script):
 
 
 @pytest.mark.parametrize("gpus, variables, args, fragment", [
-    (8, {"TP": "3"}, (), "TP 3 x PP 1 = 3 does not divide the 8 ranks"),
+    (8, {"TP": "3"}, (), "TP 3 x CP 1 x PP 1 = 3 does not divide the 8 ranks"),
+    (8, {"CP": "3", "SEQ_LENGTH": "258"}, (), "TP 1 x CP 3 x PP 1 = 3 does not divide the 8 ranks"),
+    (0, {"CP": "2", "SEQ_LENGTH": "258"}, (), "CP=2 cuts SEQ_LENGTH 258 into 4 equal chunks"),
+    (0, {"CP": "0"}, (), "CP=0: must be at least 1"),
+    (0, {"SEQ_LENGTH": "long"}, (), "SEQ_LENGTH=long: not a whole number"),
     (8, {"TP": "2", "PP": "3"}, (), "does not divide the 8 ranks"),
     (8, {"GLOBAL_BATCH": "100"}, (), "GLOBAL_BATCH 100 is not divisible by MICRO_BATCH 8 x DP 8 = 64"),
     (8, {}, ("--global-batch-size", "96"), "GLOBAL_BATCH 96 is not divisible"),
