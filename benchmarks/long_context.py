@@ -80,13 +80,19 @@ def activations(seq: int, cp: int) -> float:
     return activation_bytes_per_microbatch(Workload.from_run(model, validate(args, cp, model))) / 2**30
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--work-dir", default=str(ROOT / ".cache/long_context"))
     p.add_argument("--seq-lengths", type=int, nargs="+", default=[4096, 16384])
     p.add_argument("--cp-sizes", type=int, nargs="+", default=[1, 4], help="one per --seq-lengths entry")
     p.add_argument("--iters", type=int, default=10)
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = parser().parse_args()
+    if len(args.cp_sizes) != len(args.seq_lengths):
+        parser().error("--cp-sizes: give one CP size per --seq-lengths entry")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)

@@ -295,6 +295,12 @@ def metrics_records(run_dir, split: str = "train") -> dict[int, dict]:
     return {r["iteration"]: r for r in read_metrics(run_dir) if r.get("split", "train") == split}
 
 
+def worst_relative(run: dict[int, dict], base: dict[int, dict], key: str) -> float:
+    """The largest relative difference of metric ``key`` between two runs' records, over the iterations ``run``
+    logged (``metrics_records`` of each)."""
+    return max(abs(run[it][key] / base[it][key] - 1) for it in run)
+
+
 def checkpoint_at(run_dir, out, iteration: int) -> str:
     """A copy of run ``run_dir`` in ``out`` whose ``latest`` names ``iteration`` and that holds no metrics.jsonl:
     what a run stopped after that iteration would have left (for resume tests)."""

@@ -14,7 +14,15 @@ import pytest
 import torch
 
 from codegeex_train import pretrain
-from tests.harness import checkpoint_at, load_tool, metrics_records, run_distributed, run_pretrain, tiny_pretrain_args
+from tests.harness import (
+    checkpoint_at,
+    load_tool,
+    metrics_records,
+    run_distributed,
+    run_pretrain,
+    tiny_pretrain_args,
+    worst_relative,
+)
 
 ITERS = 10
 CLIP = 0.5
@@ -106,11 +114,6 @@ def train_runs(topology, runs):
     return seen
 
 
-def worst(run: dict, base: dict, key: str) -> float:
-    """The largest relative difference of ``key`` over the iterations ``run`` logged."""
-    return max(abs(run[it][key] / base[it][key] - 1) for it in run)
-
-
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory, tiny_data):
     """(1,1,1,1) with RoPE and with learned positions, in one spawn."""
@@ -168,8 +171,8 @@ def test_context_parallel_matches_single_process(baseline, layout_runs, layout, 
     for it in range(1, ITERS + 1):
         for key in ("loss", "grad_norm"):
             assert run[it][key] == pytest.approx(base[it][key], rel=TOL), (it, key)
-    print(f"{layout} sp={sp} {positions} {' '.join(extra)}: worst relative loss {worst(run, base, 'loss'):.2g}, "
-          f"grad norm {worst(run, base, 'grad_norm'):.2g}")
+    loss, grad_norm = worst_relative(run, base, "loss"), worst_relative(run, base, "grad_norm")
+    print(f"{layout} sp={sp} {positions} {' '.join(extra)}: worst relative loss {loss:.2g}, grad norm {grad_norm:.2g}")
 
 
 def test_broken_context_parallel_is_caught(tmp_path, tiny_data, baseline):
@@ -180,7 +183,7 @@ def test_broken_context_parallel_is_caught(tmp_path, tiny_data, baseline):
     run_distributed(train_runs, world_size=2, deadline_s=600, runs=runs)
     for seam in seams:
         run = metrics_records(tmp_path / seam)
-        loss = worst(run, base, "loss")
+        loss = worst_relative(run, base, "loss")
         print(f"{seam}: worst relative loss {loss:.3g}")
         assert loss > TOL, (seam, loss)
 

@@ -22,7 +22,14 @@ from codegeex_train.config.arguments import parse_args
 from codegeex_train.generation.generator import Generator
 from codegeex_train.generation.sampling import SamplingParams
 from codegeex_train.model.codegeex import CodeGeeXModel
-from tests.harness import checkpoint_at, load_tool, metrics_records, run_distributed, tiny_pretrain_args
+from tests.harness import (
+    checkpoint_at,
+    load_tool,
+    metrics_records,
+    run_distributed,
+    tiny_pretrain_args,
+    worst_relative,
+)
 
 ITERS = 10
 CLIP = 0.5
@@ -78,11 +85,6 @@ def train_runs(topology, runs):
     finally:
         layers.allreduce_sequence_parallel_grad, pretrain.train = real_allreduce, real_train
     return seen
-
-
-def worst(run: dict, base: dict, key: str) -> float:
-    """The largest relative difference of ``key`` over the iterations ``run`` logged."""
-    return max(abs(run[it][key] / base[it][key] - 1) for it in run)
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +150,7 @@ def test_sequence_parallel_matches_single_process(baseline, layout_runs, tp, pp,
         for it in range(1, ITERS + 1):
             for key in ("loss", "grad_norm"):
                 assert run[it][key] == pytest.approx(base[it][key], rel=TOL), (mode, it, key)
-        worst_seen[mode] = (worst(run, base, "loss"), worst(run, base, "grad_norm"))
+        worst_seen[mode] = (worst_relative(run, base, "loss"), worst_relative(run, base, "grad_norm"))
     print(f"(TP, PP, DP) = {(tp, pp, dp)}: worst relative (loss, grad norm) vs (1,1,1):", worst_seen)
 
 
@@ -163,7 +165,7 @@ def test_broken_sequence_parallel_grad_allreduce_is_caught(tmp_path, tiny_data, 
     for seam in ("skip", "twice"):
         run = metrics_records(tmp_path / seam)
         assert sorted(run) == list(range(1, ITERS + 1))
-        loss, grad_norm = worst(run, base, "loss"), worst(run, base, "grad_norm")
+        loss, grad_norm = worst_relative(run, base, "loss"), worst_relative(run, base, "grad_norm")
         print(f"{seam}: worst relative loss {loss:.3g}, grad norm {grad_norm:.3g}")
         assert loss > TOL and grad_norm > TOL, (seam, loss, grad_norm)
 
@@ -216,5 +218,5 @@ def test_checkpoint_saved_with_sp_resumes_without(tmp_path, tiny_data):
             assert resumed[it]["consumed_samples"] == reference[it]["consumed_samples"], (name, it)
             for key in ("loss", "grad_norm"):
                 assert resumed[it][key] == pytest.approx(reference[it][key], rel=TOL), (name, it, key)
-        print(f"resumed {name}: worst relative loss {worst(resumed, reference, 'loss'):.3g}, "
-              f"grad norm {worst(resumed, reference, 'grad_norm'):.3g}")
+        print(f"resumed {name}: worst relative loss {worst_relative(resumed, reference, 'loss'):.3g}, "
+              f"grad norm {worst_relative(resumed, reference, 'grad_norm'):.3g}")
