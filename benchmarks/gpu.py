@@ -7,8 +7,8 @@
   (b) fp16 dynamic loss scaling: the same model in fp16 with an initial loss scale of 2^32, so that the first
       steps overflow. Reported: the steps DeepSpeed skipped, the loss scale at every step (it must come down
       until steps apply), the applied steps and their losses.
-  (c) training throughput and MFU of a ~1.3B CodeGeeX (24 layers, hidden 2048, 16 heads, vocab 50400 padded to
-      52224, top query layer on, sequence 2048) in bf16 under ZeRO-2 on one GPU, without and with activation
+  (c) training throughput and MFU of a ~1.3B CodeGeeX (configs/codegeex-1.3b.yaml, --config: 24 layers, hidden 2048,
+      16 heads, vocab 50400 padded to 52224, top query layer on, sequence 2048) in bf16 under ZeRO-2 on one GPU, without and with activation
       recomputation (--checkpoint-activations): warm-up iterations, then N timed iterations, each between two
       torch.cuda.synchronize. MFU = model FLOP/s (codegeex_train/model/flops.py, Megatron's formula, without the
       recomputed forward) / the peak (--peak-tflops), next to the project's bar (>= 50%).
@@ -52,6 +52,7 @@ from benchmarks.gpu_check import decoding, mfu, parent, precision  # noqa: E402
 from benchmarks.gpu_check.child import run_child  # noqa: E402
 from benchmarks.gpu_check.mfu import MFU_REFERENCE  # noqa: E402
 from benchmarks.gpu_check.report import BAD, Row, render_markdown, render_text, unit_rows  # noqa: E402
+from codegeex_train.config.config_file import ConfigFileError, preset_path, section  # noqa: E402
 
 # NVIDIA's datasheet: H100 SXM and H200 SXM, BF16/FP16 Tensor Core 1,979 TFLOP/s "with sparsity", i.e. 989 dense.
 # (H200 NVL: 1,671 with sparsity, 835 dense: pass --peak-tflops 835 there.)
@@ -95,6 +96,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=_budget, action="append", default=[], metavar="UNIT=SECONDS",
                    help=f"wall-clock budget of one unit ({', '.join(UNITS)}); defaults {DEFAULT_BUDGETS_S}")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--config", default=SHAPE_PRESET, metavar="NAME",
+                   help=f"(c, d) the ~1.3B shape: a preset, configs/NAME.yaml, or a .yaml file (default {SHAPE_PRESET}; "
+                        "the --c-*/--d-* flags below override it; --smoke ignores it)")
     # (a) and (b): a small CodeGeeX on code tokens
     p.add_argument("--small-num-layers", type=int, default=None, help="(a, b) default 12 (smoke 2)")
     p.add_argument("--small-hidden-size", type=int, default=None, help="(a, b) default 768 (smoke 32)")
@@ -145,15 +149,31 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-# Shapes and iteration counts: FULL on a GPU, SMOKE (--smoke) on a CPU; any flag given wins.
+# Shapes and iteration counts: FULL on a GPU, SMOKE (--smoke) on a CPU; any flag given wins. On a GPU the (c) and
+# (d) shape is the preset's (preset_shape): the one training, the script and the planner read.
+SHAPE_PRESET = "codegeex-1.3b"
 FULL = {
     "small_num_layers": 12, "small_hidden_size": 768, "small_seq_length": 1024, "small_micro_batch_size": 8,
     "a_iters": 50, "b_iters": 40, "fp16_initial_scale_power": 32, "fp16_loss_scale_window": 20,
-    "c_num_layers": 24, "c_hidden_size": 2048, "c_num_attention_heads": 16, "c_seq_length": 2048,
-    "c_micro_batch_size": 8, "c_recompute_micro_batch_size": 8, "c_num_microbatches": 4, "c_warmup_iters": 3,
-    "c_iters": 8, "d_num_layers": 24, "d_hidden_size": 2048, "d_num_attention_heads": 16, "d_batch_size": 8,
+    "c_num_microbatches": 4, "c_warmup_iters": 3, "c_iters": 8, "d_batch_size": 8,
     "d_new_tokens": 256, "d_prompt_lengths": (64, 256), "d_reps": 2,
 }
+
+
+def preset_shape(name: str) -> dict:
+    """(c) and (d)'s shape from a preset: layers, width and heads (d: the same, without the top query layer), and
+    (c) the sequence and micro-batch (with and without recompute)."""
+    path = preset_path(name)
+    model, train = section(path, "model"), section(path, "train")
+    try:
+        shape = {"num_layers": model["num_layers"], "hidden_size": model["hidden_size"],
+                 "num_attention_heads": model["num_attention_heads"]}
+        micro = train["micro_batch_size"]
+        return {**{f"{u}_{k}": v for u in "cd" for k, v in shape.items()}, "c_seq_length": train["seq_length"],
+                "c_micro_batch_size": micro, "c_recompute_micro_batch_size": micro}
+    except KeyError as e:
+        raise ConfigFileError(f"--config {path}: no {e.args[0]} (the GPU check's shape needs model.num_layers, "
+                              f"hidden_size, num_attention_heads, train.seq_length and micro_batch_size)") from None
 SMOKE = {
     "small_num_layers": 2, "small_hidden_size": 32, "small_seq_length": 32, "small_micro_batch_size": 2,
     "a_iters": 6, "b_iters": 10, "fp16_initial_scale_power": 20, "fp16_loss_scale_window": 8,
@@ -165,8 +185,13 @@ SMOKE = {
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    a = parser().parse_args(argv)
-    for key, value in (SMOKE if a.smoke else FULL).items():
+    p = parser()
+    a = p.parse_args(argv)
+    try:
+        defaults = SMOKE if a.smoke else {**FULL, **preset_shape(a.config)}
+    except ConfigFileError as e:
+        p.error(str(e))
+    for key, value in defaults.items():
         if getattr(a, key) is None:
             setattr(a, key, value)
     if a.d_dtype is None:

@@ -12,6 +12,8 @@ DeepSpeed ZeRO-2 data parallelism over the rest.
     deepspeed --num_gpus 2 --module codegeex_train.pretrain ...
     # CPU (DS_ACCELERATOR=cpu, gloo), as scripts/pretrain_codegen.sh does by default:
     DS_ACCELERATOR=cpu deepspeed --num_gpus 2 codegeex_train/pretrain.py --data-path ...
+    # every check of a 64-rank launch, on this host and with no process group (e.g. before an srun):
+    WORLD_SIZE=64 python -m codegeex_train.pretrain --tensor-model-parallel-size 8 ... --dry-run
 
 Every flag is checked before any process group exists; a bad one exits with one ``error:`` line.
 """
@@ -19,8 +21,8 @@ Every flag is checked before any process group exists; a bad one exits with one 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
-import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -35,6 +37,7 @@ from codegeex_train.checkpoint.files import tokenizer_settings
 from codegeex_train.checkpoint.resume import Resume, preflight_load, restore
 from codegeex_train.checkpoint.train_state import TrainState
 from codegeex_train.config.arguments import Args, ConfigError, ParallelConfig, parse_args, validate
+from codegeex_train.config.config_file import dump_resolved, write_resolved
 from codegeex_train.config.deepspeed import build_deepspeed_config, load_user_config
 from codegeex_train.config.model_config import ModelConfig
 from codegeex_train.config.plan import ParallelPlan
@@ -47,6 +50,7 @@ from codegeex_train.distributed.cluster import (
     join_process_group,
     rank_env_from_slurm,
 )
+from codegeex_train.distributed.log import setup_logging
 from codegeex_train.distributed.malloc import fix_malloc_thresholds
 from codegeex_train.distributed.topology import ParallelDims, Topology
 from codegeex_train.data.fim import fim_from_flags
@@ -68,7 +72,11 @@ from codegeex_train.training.batches import DocumentMasking, build_datasets, loa
 from codegeex_train.training.engine import build_engine
 from codegeex_train.training.exit_conditions import ExitConditions
 from codegeex_train.training.fault_injection import step_context_from_environment
+from codegeex_train.training.profiling import Profiling
 from codegeex_train.training.trainer import Measurement, Run, train
+
+# By name: run as a script (as the launchers run it) __name__ is "__main__", outside the package's loggers.
+log = logging.getLogger("codegeex_train.pretrain")  # (`logger` in main is the metrics logger)
 
 
 @dataclass
@@ -88,6 +96,7 @@ def prepare(argv: list[str] | None) -> Prepared:
     (the tokenizer, with FIM's sentinels when --fim-rate asks for them), so that ``validate`` runs once, on the whole
     run, and the parsed ``args`` are never changed."""
     args = parse_args(argv)
+    setup_logging(args.logging.log_level, global_rank(), args.logging.log_all_ranks)
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     try:
         tokenizer = load_tokenizer(args.data)
@@ -96,9 +105,18 @@ def prepare(argv: list[str] | None) -> Prepared:
         raise ConfigError(str(e)) from None
     model = args.model.with_vocab(tokenizer.vocab_size)
     plan = validate(args, world_size, model)
-    preflight_data(args.data, model.padded_vocab_size)
+    args.logging.check(world_size, args.train.save)  # --profile-* and --record-memory-history
+    if args.train.dry_run_skip_data and not args.train.dry_run:
+        raise ConfigError("--dry-run-skip-data goes with --dry-run only: a launch always checks its data files")
+    if args.train.dry_run_skip_data:
+        log.info("dry run: data-file check skipped (--dry-run-skip-data: the data is built before the launch)")
+    else:
+        preflight_data(args.data, model.padded_vocab_size)
     ds_config = build_deepspeed_config(args, plan, load_user_config(args.train.deepspeed_config))
-    if not args.train.skip_memory_check:  # what cannot fit is refused before anything is allocated
+    if gpu_ranks_checked_without_gpu(args):
+        log.info("dry run: GPU memory check skipped: this host has no GPU to measure (the ranks run "
+                 "--distributed-backend nccl); a dry run on a GPU node checks it")
+    elif not args.train.skip_memory_check:  # what cannot fit is refused before anything is allocated
         check_run_memory(model, plan, args.train, args.data, ds_config, num_samples(args.train, plan),
                          Host.from_env(world_size, "cuda" if uses_cuda() else "cpu"))
     resume = preflight_load(args.train, model, plan)
@@ -130,9 +148,38 @@ def skip_inference_comm_op() -> None:
         compatible["deepspeed_shm_comm"] = False
 
 
+def global_rank() -> int:
+    """This process's rank, before its process group exists too (the launchers set RANK; SLURM's is mapped)."""
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
 def uses_cuda() -> bool:
     """Whether this rank trains on its GPU (DS_ACCELERATOR=cpu keeps it on the CPU)."""
     return torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
+
+
+def gpu_ranks_checked_without_gpu(args: Args) -> bool:
+    """A dry run for GPU ranks (NCCL, DS_ACCELERATOR not cpu) on a host without a GPU, e.g. a login node: the GPU
+    memory the memory check measures is not here."""
+    return (args.train.dry_run and args.parallel.distributed_backend == "nccl" and not torch.cuda.is_available()
+            and os.environ.get("DS_ACCELERATOR") != "cpu")
+
+
+def warn_if_cpu_beside_gpus() -> None:
+    """DS_ACCELERATOR=cpu on a host with CUDA GPUs trains on the CPU (gloo): allowed, but rarely meant; rank 0 says
+    so in one line."""
+    if os.environ.get("DS_ACCELERATOR") == "cpu" and torch.cuda.is_available() and global_rank() == 0:
+        log.warning("DS_ACCELERATOR=cpu: training on the CPU although this host has CUDA GPUs; unset DS_ACCELERATOR "
+                    "to train on them")
+
+
+def dry_run_report(prepared: Prepared) -> str:
+    """What ``--dry-run`` prints once every check has passed."""
+    plan, resume = prepared.plan, prepared.resume
+    start = "from scratch" if resume is None else f"--load {resume.load_dir} ({resume.tag}, {resume.kind.value})"
+    return (f"dry run: every check passed at {plan.world_size} ranks (TP {plan.tp_size} x CP {plan.cp_size} x PP "
+            f"{plan.pp_size} x DP {plan.dp_size}), start {start}; no process group was created and nothing was "
+            f"written. The resolved config (pretrain --config takes it):\n{dump_resolved(prepared.args)}")
 
 
 def init_distributed(parallel: ParallelConfig, dims: ParallelDims) -> tuple[Topology, torch.device]:
@@ -165,14 +212,14 @@ CP_SEED_STRIDE = 100_003  # a prime far above 100 x PP: no (stage, CP rank) pair
 
 
 def report_cluster(topology: Topology) -> dict:
-    """Rank 0 prints the layout the ranks report; every rank returns it (run metadata)."""
+    """Logs the layout the ranks report; every rank returns it (run metadata)."""
     text, meta = cluster_report(gather_places(), topology.dims)
-    if topology.rank == 0:
-        print(text, flush=True)
+    log.info(text)
     return meta
 
 
-def main(argv: list[str] | None = None) -> TrainState:
+def main(argv: list[str] | None = None) -> TrainState | None:
+    """Train; None after a --dry-run."""
     start_time = time.time()  # --exit-duration-in-mins counts from here, as Megatron's does
     if os.environ.get("DS_ACCELERATOR") == "cpu" or not torch.cuda.is_available():
         fix_malloc_thresholds()  # CPU: RSS stays flat (distributed/malloc.py); MALLOC_*_ set at launch win
@@ -181,17 +228,26 @@ def main(argv: list[str] | None = None) -> TrainState:
     try:
         prepared = prepare(argv)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        log.error(e)
         raise SystemExit(2) from None
+    warn_if_cpu_beside_gpus()
+    if prepared.args.train.dry_run:  # every check has run, before any process group or file
+        print(dry_run_report(prepared), flush=True)  # the command's result: shown whatever --log-level says
+        return None
     args, model_config, plan, ds_config = prepared.args, prepared.model, prepared.plan, prepared.ds_config
     owns_process_group = not dist.is_initialized()
     try:
         topology, device = init_distributed(args.parallel, plan.dims)
     except ClusterError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        log.error(e)
         raise SystemExit(1) from None
     cluster = report_cluster(topology)
     t = args.train
+    if t.save and topology.rank == 0 and not getattr(t, "dry_run", False):
+        write_resolved(args, t.save)  # <save>/config.yaml: `--config` of it reproduces this run
+    profiling = Profiling.from_config(args.logging, t.save, topology.rank, device)
+    if profiling:
+        profiling.begin()  # before the model is built: its allocations belong in a memory snapshot
     # Same default stream on every TP rank (replicated dropout), a per-TP-rank stream for sharded dropout;
     # stages differ (Megatron's +100 per stage) so they do not repeat each other's masks, and so do CP ranks (each
     # holds other tokens of the sequence; CP rank 0 keeps the seed of a run without CP).
@@ -200,19 +256,18 @@ def main(argv: list[str] | None = None) -> TrainState:
     model = CodeGeeXModel.for_rank(model_config, plan, topology, tracker, seed=t.seed, device=device)
     mark_shared_embedding_copy(model, topology)
     workload = Workload.from_run(model_config, plan, ds_config, device.type)
-    if topology.rank == 0:
-        print(model_summary(model, model_config, topology.tp_size, topology.pp_size), flush=True)
-        if plan.num_chunks > 1:
-            print(f"interleaved 1F1B: {plan.num_chunks} model chunks per pipeline rank; " + "; ".join(
-                f"rank {r}: layers " + " + ".join(f"{c[0]}-{c[-1]}" for c in chunks)
-                for r, chunks in enumerate(plan.chunk_layers)), flush=True)
-        print(expected_memory_report(workload), flush=True)
+    log.info(model_summary(model, model_config, topology.tp_size, topology.pp_size))
+    if plan.num_chunks > 1:
+        log.info(f"interleaved 1F1B: {plan.num_chunks} model chunks per pipeline rank; " + "; ".join(
+            f"rank {r}: layers " + " + ".join(f"{c[0]}-{c[-1]}" for c in chunks)
+            for r, chunks in enumerate(plan.chunk_layers)))
+    log.info(expected_memory_report(workload))
     engine, state = restore(prepared.resume, model, topology, tracker, plan,
                             lambda m: build_engine(m, args.optim, t.train_iters, ds_config, topology))
 
     if state.iteration >= t.train_iters:
-        print(f"--load {prepared.resume.load_dir} is at iteration {state.iteration} of --train-iters "
-              f"{t.train_iters}: nothing to train; raise --train-iters to continue", flush=True)
+        log.info(f"--load {prepared.resume.load_dir} is at iteration {state.iteration} of --train-iters "
+                 f"{t.train_iters}: nothing to train; raise --train-iters to continue")
         return state  # (the process group goes with the process)
     train_ds, valid_ds, test_ds = build_datasets(args.data, t, plan, topology.rank, model_config.padded_vocab_size,
                                                 tokenizer=prepared.tokenizer)
@@ -247,18 +302,21 @@ def main(argv: list[str] | None = None) -> TrainState:
                               comm_theory=comm_bytes_per_step(workload, topology.pp_rank),
                               memory=lambda: StepMemory(engine.module, workload, topology.pp_rank, device))
     run = Run(plan, model_config, t, args.logging, topology, engine, tracker, device, logger, flops, peak,
-              tokenizer_settings=tokenizer_settings(args.data), exit_conditions=exit_conditions,
+              tokenizer_settings=tokenizer_settings(args.data), resolved_config=dump_resolved(args),
+              exit_conditions=exit_conditions,
               measurement=measurement, evaluate_humaneval=humaneval, evaluate_infilling=infilling,
               masking=DocumentMasking.from_config(args.data, prepared.tokenizer.eod),
-              step_context=step_context_from_environment(engine.module))
+              step_context=step_context_from_environment(engine.module), profiling=profiling)
     try:
         state = train(run, state, train_loader, valid_loader, test_loader)
     except TokenIdError as e:  # data changed or damaged after the start-up scan: one line, the launcher ends the rest
-        print(f"error: {e.one_line()}", file=sys.stderr, flush=True)
+        log.error(e.one_line())
         raise SystemExit(1) from None
     finally:
         exit_conditions.close()
         logger.close()
+        if profiling:
+            profiling.close()  # a window cut short (an error, a preemption stop) still writes its trace
     if owns_process_group:
         dist.barrier()
         dist.destroy_process_group()

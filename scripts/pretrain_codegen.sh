@@ -7,22 +7,23 @@
 #   CP=2 SEQ_LENGTH=1024 bash scripts/pretrain_codegen.sh --position-embedding-type rope \
 #       --max-position-embeddings 1024                     # context parallelism: each sequence split over 2 ranks
 #   bash scripts/pretrain_codegen.sh                      # on a GPU node: every GPU nvidia-smi lists, bf16, NCCL
-#   DRY_RUN=1 bash scripts/pretrain_codegen.sh            # print the layout and the launch command; run nothing
+#   DRY_RUN=1 bash scripts/pretrain_codegen.sh            # check everything, print the layout and the command
 #   DEVICE=gpu NUM_GPUS=8 TP=8 bash scripts/pretrain_codegen.sh
 #   DEVICE=gpu NUM_GPUS=8 TP=8 SP=1 RECOMPUTE=selective bash scripts/pretrain_codegen.sh  # less activation memory
 #   # CodeGeeX-13B: TP 8 inside each node, 4 pipeline stages across nodes (10+10+10+9 of the 39 layers: the
 #   # last stage also holds the top query layer and the output layer), ZeRO-2 DP over the rest
-#   CONFIG=codegeex-13b DEVICE=gpu HOSTFILE=hostfile TP=8 PP=4 MICRO_BATCH=2 GLOBAL_BATCH=1536 \
+#   CONFIG=codegeex-13b DEVICE=gpu HOSTFILE=hostfile TP=8 PP=4 MICRO_BATCH=2 \
 #       DATA_PATH=... TOKENIZER_ARGS=... bash scripts/pretrain_codegen.sh --decoder-last-pipeline-num-layers 9
 #   # Fine-tune CodeGeeX-13B from its converted weights (INIT_FROM: weights only; the same command again
 #   # resumes from ./outputs/codegen-codegeex-13b's own checkpoint instead of starting over)
 #   CONFIG=codegeex-13b DEVICE=gpu HOSTFILE=hostfile TP=8 INIT_FROM=ckpt/codegeex-13b-tp8 \
-#       DATA_PATH=data/code_text_document GLOBAL_BATCH=1536 \
+#       DATA_PATH=data/code_text_document \
 #       TOKENIZER_ARGS="--tokenizer-type CodeGeeXTokenizer --vocab-file gpt2/vocab.json --merge-file gpt2/merges.txt" \
 #       bash scripts/pretrain_codegen.sh --make-vocab-size-divisible-by 52224 --wandb-project codegeex
 #
 # Variables: OUTPUT_DIR (checkpoints, metrics.jsonl, logs; default ./outputs/codegen-$CONFIG), CONFIG
-# (default | codegeex-13b), DEVICE (cpu | gpu; default gpu when nvidia-smi lists one, unless DS_ACCELERATOR=cpu),
+# (a preset in configs/: default | codegeex-13b | codegeex-1.3b, or a .yaml file; docs/config-files.md), DEVICE (cpu | gpu; default gpu when nvidia-smi lists one, unless DS_ACCELERATOR=cpu;
+# with HOSTFILE on a host without a GPU, e.g. a login node, there is no default: set it),
 # NUM_GPUS (ranks per node; default the GPUs `nvidia-smi -L` lists, 2 on CPU), HOSTFILE (several nodes, via
 # pdsh/ssh; the ranks are its slots), TP, PP (stages; 39 layers split unevenly need
 # --decoder-first/last-pipeline-num-layers), VPP=N (interleaved 1F1B: --num-layers-per-virtual-pipeline-stage N,
@@ -31,7 +32,7 @@
 # by 2 x CP; DP = ranks / (TP x CP x PP); long sequences also want e.g. --position-embedding-type rope
 # --max-position-embeddings SEQ_LENGTH among the arguments),
 # MICRO_BATCH, MICRO_BATCHES (micro-batches per step; default
-# PP), GLOBAL_BATCH (default: the config's, 1536 for codegeex-13b, and for the default config MICRO_BATCH x DP x
+# PP), GLOBAL_BATCH (default: the config's, 3072 for codegeex-13b, and for the default config MICRO_BATCH x DP x
 # MICRO_BATCHES with DP = ranks / (TP x PP), so it follows the GPUs),
 # TRAIN_ITERS, SEQ_LENGTH, DATA_PATH (default: the Python stdlib, preprocessed on first use), TOKENIZER_ARGS,
 # DS_CONFIG, LR, MIN_LR, DECAY (the LR schedule after WARMUP: linear | cosine | constant), INIT_FROM (a checkpoint
@@ -45,8 +46,11 @@
 # left to right as CodeGeeX-13B; 0.5 as StarCoder), FIM_SPM_RATE (--fim-spm-rate, default 0.5), DOCUMENT_LEVEL
 # (file | repo: the default corpus preprocessed as one document per file, or per repository, StarCoder2's
 # <repo_name>/<file_sep> layout with each stdlib directory a repository; with FIM each file of a repository
-# document is transformed on its own, --fim-split-sample <file_sep>; docs/code-data.md), DRY_RUN=1 (check the layout, print it and the exact launch command, exit 0; nothing runs,
-# nothing is written).
+# document is transformed on its own, --fim-split-sample <file_sep>; docs/code-data.md), DRY_RUN=1 (check the
+# layout, then run pretrain.py's own checks at its ranks: its --dry-run, with WORLD_SIZE = the ranks, checks the data
+# and tokenizer files, heads and layers against the layout, every argument, the DeepSpeed config, --load and memory;
+# print the layout, the resolved config and the exact launch command and exit 0; nothing is launched or written,
+# and a mistake is one error: line, exit 2).
 # Any further arguments go to codegeex_train/pretrain.py and override the ones set here.
 #
 # Failures: a dead rank brings the job down; run the same command again and it resumes from OUTPUT_DIR's last
@@ -57,13 +61,24 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 # Every refusal is one line, before anything runs or is written.
 die() { echo "error: $*" >&2; exit 2; }
 CONFIG=${CONFIG:-default}
-case "$CONFIG" in default | codegeex-13b) ;; *) die "CONFIG=$CONFIG: use default or codegeex-13b" ;; esac
-OUTPUT_DIR=${OUTPUT_DIR:-./outputs/codegen-$CONFIG}
+# A preset is configs/$CONFIG.yaml, or CONFIG=a .yaml file (docs/config-files.md): pretrain.py reads all of it
+# (--config), the script the few values its layout arithmetic and its defaults need (below).
+case "$CONFIG" in *.yaml | *.yml | */*) CONFIG_FILE=$CONFIG ;; *) CONFIG_FILE=$ROOT/configs/$CONFIG.yaml ;; esac
+[ -f "$CONFIG_FILE" ] || die "CONFIG=$CONFIG: no such preset ($CONFIG_FILE); use one of" \
+  "$(cd "$ROOT/configs" && ls -- *.yaml | sed 's/\.yaml$//' | paste -sd ' ') or a .yaml file"
+CONFIG_FILE=$(cd "$(dirname "$CONFIG_FILE")" && pwd)/$(basename "$CONFIG_FILE")
+[[ "$CONFIG_FILE" != *[[:space:]]* ]] || die "CONFIG=$CONFIG: the path $CONFIG_FILE has a space; move it"
+OUTPUT_DIR=${OUTPUT_DIR:-./outputs/codegen-$(basename "${CONFIG%.y*ml}")}
 DRY_RUN=${DRY_RUN:-0}
 if [ -z "${DEVICE:-}" ]; then
-  # DS_ACCELERATOR=cpu is DeepSpeed's own way of asking for the CPU: honoured. Otherwise the GPUs decide.
+  # DS_ACCELERATOR=cpu is DeepSpeed's own way of asking for the CPU: honoured. Otherwise the GPUs decide; a cluster
+  # launched from a host without them (a login node) is not guessed: its nodes would all train on their CPUs.
   if [ "${DS_ACCELERATOR:-}" = cpu ]; then DEVICE=cpu
-  elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then DEVICE=gpu; else DEVICE=cpu; fi
+  elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then DEVICE=gpu
+  elif [ -n "${HOSTFILE:-}" ]; then
+    die "HOSTFILE=$HOSTFILE, but this host has no GPU (\`nvidia-smi -L\` lists none), so every node would train on" \
+      "its CPU: set DEVICE=gpu (GPU nodes) or DEVICE=cpu"
+  else DEVICE=cpu; fi
 fi
 TP=${TP:-1}
 PP=${PP:-1}
@@ -71,36 +86,31 @@ CP=${CP:-1}
 VPP=${VPP:-}
 PYTHON=${PYTHON:-python}
 
-case "$CONFIG" in
-  default)  # small enough to learn visibly on 2 CPU cores in minutes
-    NUM_LAYERS=4
-    MODEL_ARGS="--num-layers 4 --hidden-size 256 --num-attention-heads 8 --max-position-embeddings 256
-                --hidden-dropout 0.0 --attention-dropout 0.0 --activation fast_gelu"
-    # One micro-batch of 8 per DP rank a step (so 16 sequences on the 2 CPU ranks); a pipeline gets PP of them.
-    SEQ_LENGTH=${SEQ_LENGTH:-256}; MICRO_BATCH=${MICRO_BATCH:-8}
-    # Linear decay to 0 at 1.5e-3 ended lowest of those tried here (final train loss 4.41; 4.53 for 1e-3 or for
-    # cosine to lr/10 at 2e-3, 4.60 at 3e-3): a short run gains most from annealing all the way.
-    TRAIN_ITERS=${TRAIN_ITERS:-200}; LR=${LR:-1.5e-3}; MIN_LR=${MIN_LR:-0}; DECAY=${DECAY:-linear}
-    WARMUP=${WARMUP:-20}; EVAL_INTERVAL=100; SAVE_INTERVAL=100; LOG_INTERVAL=10 ;;
-  codegeex-13b)  # CodeGeeX-13B's shape: 39 layers + the top query layer, 40 heads of 128
-    NUM_LAYERS=39
-    MODEL_ARGS="--num-layers 39 --hidden-size 5120 --num-attention-heads 40 --ffn-hidden-size 20480
-                --max-position-embeddings 2048 --activation fast_gelu"
-    # Activation memory: sequence parallelism + selective recompute (Korthikanti et al. 2022), not full recompute
-    # (--checkpoint-activations): only the attention core re-runs in backward. What the planner picks
-    # (python -m codegeex_train.accounting.planner --config codegeex-13b, 32 GB devices): its first layout (TP 4,
-    # micro-batch 4) is SP + selective, and at TP 8 with micro-batch 8 nothing else fits. SP needs TP > 1: its
-    # default follows TP (below).
-    RECOMPUTE=${RECOMPUTE:-selective}
-    # A model's global batch is a hyper-parameter: 1536 sequences a step whatever the layout (192 micro-batches of
-    # 8 at DP 1, 48 at DP 4, ...); a layout it does not divide is refused.
-    SEQ_LENGTH=${SEQ_LENGTH:-2048}; MICRO_BATCH=${MICRO_BATCH:-8}; GLOBAL_BATCH=${GLOBAL_BATCH:-1536}
-    TRAIN_ITERS=${TRAIN_ITERS:-200000}; LR=${LR:-1e-4}; MIN_LR=${MIN_LR:-1e-5}; DECAY=${DECAY:-cosine}
-    WARMUP=${WARMUP:-1500}; EVAL_INTERVAL=1000
-    # CodeGeeX-13B trained left to right on file-level documents (with a language tag): FIM and repository
-    # documents are off unless asked for (FIM_RATE=0.5 DOCUMENT_LEVEL=repo: a StarCoder-style recipe).
-    SAVE_INTERVAL=1000; LOG_INTERVAL=10 ;;
-esac
+# The preset's values: its plain `key: value` lines, whatever the section (the keys are unique); null is unset.
+# The variables of the same meaning win over them; pretrain.py gets the whole file (MODEL_ARGS) and these values.
+declare -A PRESET=()
+while IFS='=' read -r key value; do PRESET[$key]=$value; done < <(awk '
+  { sub(/^[ \t]+/, ""); sub(/[ \t]+#.*$/, ""); sub(/[ \t\r]+$/, "") }
+  /^[A-Za-z_][A-Za-z0-9_-]*:[ \t]*[^ \t]/ {
+    key = $0; sub(/:.*/, "", key); value = $0; sub(/^[^:]*:[ \t]*/, "", value); gsub(/^["\047]|["\047]$/, "", value)
+    if (value != "null" && value != "~") print key "=" value }' "$CONFIG_FILE")
+MODEL_ARGS="--config $CONFIG_FILE"
+NUM_LAYERS=${PRESET[num_layers]:-}
+SEQ_LENGTH=${SEQ_LENGTH:-${PRESET[seq_length]:-}}; MICRO_BATCH=${MICRO_BATCH:-${PRESET[micro_batch_size]:-}}
+GLOBAL_BATCH=${GLOBAL_BATCH:-${PRESET[global_batch_size]:-}}  # none: MICRO_BATCH x DP x MICRO_BATCHES (below)
+TRAIN_ITERS=${TRAIN_ITERS:-${PRESET[train_iters]:-}}; LR=${LR:-${PRESET[lr]:-}}; MIN_LR=${MIN_LR:-${PRESET[min_lr]:-}}
+DECAY=${DECAY:-${PRESET[lr_decay_style]:-}}; WARMUP=${WARMUP:-${PRESET[lr_warmup_iters]:-}}
+EVAL_INTERVAL=${PRESET[eval_interval]:-}; SAVE_INTERVAL=${PRESET[save_interval]:-}
+LOG_INTERVAL=${PRESET[log_interval]:-}
+# launch: the preset's activation-memory defaults (CodeGeeX-13B: selective recompute, SP when TP > 1)
+RECOMPUTE=${RECOMPUTE:-${PRESET[recompute]:-}}; PRESET_SP=${PRESET[sequence_parallel_with_tp]:-false}
+for pair in NUM_LAYERS:num_layers SEQ_LENGTH:seq_length MICRO_BATCH:micro_batch_size TRAIN_ITERS:train_iters LR:lr \
+    MIN_LR:min_lr DECAY:lr_decay_style WARMUP:lr_warmup_iters EVAL_INTERVAL:eval_interval \
+    SAVE_INTERVAL:save_interval LOG_INTERVAL:log_interval; do
+  name=${pair%%:*}
+  [ -n "${!name}" ] || die "CONFIG=$CONFIG: $CONFIG_FILE has no '${pair#*:}: VALUE' line (the script reads plain" \
+    "'key: value' lines) and $name is not set"
+done
 
 # Variables the script sets for the launcher and its ranks (DRY_RUN prints them in front of the command).
 ENV_VARS=()
@@ -155,7 +165,7 @@ done
 # Sequence parallelism and recompute: the arguments' flags win (and then the script adds none of its own, so that
 # --checkpoint-activations never meets a --recompute-granularity selective from here).
 if [ -n "${ARGS_SP:-}" ]; then SP=1
-elif [ -z "${SP:-}" ]; then SP=0; [ "$CONFIG" = codegeex-13b ] && [[ "$TP" =~ ^[0-9]+$ ]] && [ "$TP" -gt 1 ] && SP=1
+elif [ -z "${SP:-}" ]; then SP=0; [ "$PRESET_SP" = true ] && [[ "$TP" =~ ^[0-9]+$ ]] && [ "$TP" -gt 1 ] && SP=1
 fi
 RECOMPUTE=${ARGS_RECOMPUTE:-${RECOMPUTE:-none}}
 case "$SP" in 0 | 1) ;; *) die "SP=$SP: use 1 (--sequence-parallel) or 0" ;; esac
@@ -315,11 +325,11 @@ CMD=("${LAUNCHER[@]}" "$ROOT/codegeex_train/pretrain.py"
   "${CP_ARGS[@]}"
   --seq-length "$SEQ_LENGTH" --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH"
   --train-iters "$TRAIN_ITERS" --lr "$LR" --min-lr "$MIN_LR" --lr-decay-style "$DECAY"
-  --lr-warmup-iters "$WARMUP" --weight-decay 0.1 --clip-grad 1.0 --adam-beta2 0.95
-  --data-path "$DATA_PATH" --split 969,30,1 ${TOKENIZER_ARGS:-} "${CODE_DATA_ARGS[@]}"
-  --deepspeed-config "$DS_CONFIG" --zero-stage 2
-  --save "$OUTPUT_DIR" --save-interval "$SAVE_INTERVAL" --eval-interval "$EVAL_INTERVAL" --eval-iters 4
-  --log-interval "$LOG_INTERVAL" --num-workers 1 --exit-signal-handler "${LOAD_ARGS[@]}"
+  --lr-warmup-iters "$WARMUP"
+  --data-path "$DATA_PATH" ${TOKENIZER_ARGS:-} "${CODE_DATA_ARGS[@]}"
+  --deepspeed-config "$DS_CONFIG"
+  --save "$OUTPUT_DIR" --save-interval "$SAVE_INTERVAL" --eval-interval "$EVAL_INTERVAL"
+  --log-interval "$LOG_INTERVAL" "${LOAD_ARGS[@]}"
   "$@")
 
 echo "codegeex_train: layout CONFIG=$CONFIG DEVICE=$DEVICE NODES=$NODES RANKS=$RANKS TP=$TP PP=$PP VPP=${VPP:-none}" \
@@ -339,7 +349,22 @@ if [ "$DRY_RUN" != 0 ]; then
     "$(shell_words "${PREPROCESS[@]}")"
   [ -z "${HOSTFILE:-}" ] || echo "codegeex_train: a real run first writes ${ENV_VARS[-1]#DS_ENV_FILE=} (the" \
     "variables the other nodes need)"
-  echo "codegeex_train: DRY_RUN=$DRY_RUN: nothing was run. The launch command (one line):"
+  # pretrain.py's own checks at these ranks (its --dry-run: data, tokenizer, heads and layers against the layout,
+  # every flag, the DeepSpeed config, --load, memory) with the launch's arguments and variables; no process group.
+  # The default corpus still to be preprocessed has no data files to check yet (nor, for repository documents, the
+  # tokenizer with their sentinels, which is built with them).
+  CHECK=("$PYTHON" "${CMD[@]:${#LAUNCHER[@]}}" --dry-run)
+  [ ${#PREPROCESS[@]} -eq 0 ] || CHECK+=(--dry-run-skip-data)
+  if [ -n "$SUBSET" ]; then
+    echo "codegeex_train: pretrain.py's checks did not run (LAUNCHER_ARGS has $SUBSET: the ranks are unknown here);" \
+      "run them with WORLD_SIZE=<ranks> $(shell_words "${CHECK[@]}")"
+  elif [ ${#PREPROCESS[@]} -gt 0 ] && [ "$DOCUMENT_LEVEL" = repo ]; then
+    echo "codegeex_train: pretrain.py's checks did not run: the repository corpus and its tokenizer do not exist" \
+      "yet (the preprocessing above builds them); DRY_RUN=1 after it runs them"
+  else
+    env "${ENV_VARS[@]}" WORLD_SIZE="$RANKS" "${CHECK[@]}" || exit $?
+  fi
+  echo "codegeex_train: DRY_RUN=$DRY_RUN: nothing was launched. The launch command (one line):"
   shell_words "${ENV_VARS[@]}" "${CMD[@]}"
   exit 0
 fi

@@ -22,6 +22,8 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(_ROOT / ".cache" / "torch_extensions"))
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# transformers copies an export's remote code (trust_remote_code) here, not into ~/.cache/huggingface/modules.
+os.environ.setdefault("HF_MODULES_CACHE", str(_ROOT / ".cache" / "hf_modules"))
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 # gloo binds to the address the host name resolves to unless told otherwise: keep every test on loopback.

@@ -70,7 +70,10 @@ import sys
 import time
 from pathlib import Path
 
+from codegeex_train.distributed.log import get_logger, setup_logging
+
 PROG = "evaluate_humaneval.py"
+logger = get_logger("tools.evaluate_humaneval")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -87,11 +90,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "check of the problems, toolchains and sandbox (every task should pass)")
     tok = p.add_argument_group("tokenizer (with --load; default: the one the checkpoint records; any of these "
                                "replaces it)")
-    tok.add_argument("--tokenizer-type", help="HFTokenizer, GPT2BPETokenizer or SentencePieceTokenizer "
-                     "(default: the checkpoint's, else the shipped tokenizer)")
-    tok.add_argument("--tokenizer-model", help="tokenizer.json (HFTokenizer) or .model (SentencePiece)")
-    tok.add_argument("--vocab-file", help="GPT-2 vocab.json")
-    tok.add_argument("--merge-file", help="GPT-2 merges.txt")
+    tok.add_argument("--tokenizer-type", help="HFTokenizer, GPT2BPETokenizer, SentencePieceTokenizer or "
+                     "CodeGeeXTokenizer (CodeGeeX-13B's: GPT-2's files + its whitespace tokens) (default: the "
+                     "checkpoint's, else the shipped tokenizer)")
+    tok.add_argument("--tokenizer-model", help="tokenizer.json (HFTokenizer), .model (SentencePiece), or for "
+                     "CodeGeeXTokenizer a tokenizer.json or Hugging Face tokenizer directory")
+    tok.add_argument("--vocab-file", help="GPT-2 vocab.json (GPT2BPETokenizer, CodeGeeXTokenizer)")
+    tok.add_argument("--merge-file", help="GPT-2 merges.txt (GPT2BPETokenizer, CodeGeeXTokenizer)")
     tok.add_argument("--whitespace-encoding", action="store_true", help="CodeGeeX's whitespace tokens")
     gen = p.add_argument_group("generation (with --load)")
     gen.add_argument("--num-samples-per-task", type=int, default=1, metavar="N",
@@ -224,7 +229,7 @@ def generate(args, problems_by: dict[str, dict]) -> dict[str, list[dict]]:
     fim_tokens_if_trained(meta, tokenizer)  # a FIM-trained model's sentinels, at the ids training gave them
     fim = fim_format(meta, tokenizer, args.fim_order, where=f"checkpoint {args.load}",
                      flag=f"--benchmark {args.benchmark}") if args.infilling else None
-    print(which, file=sys.stderr, flush=True)
+    logger.info(which)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     try:
         generator = Generator.from_checkpoint(args.load, tokenizer, device=device)
@@ -234,9 +239,9 @@ def generate(args, problems_by: dict[str, dict]) -> dict[str, list[dict]]:
         params = infilling_params(args.num_samples_per_task, max_new_tokens=args.max_new_tokens,
                                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
         problems = problems_by["python"]
-        print(f"generating {args.num_samples_per_task} middle(s) for each of {len(problems)} {args.benchmark} tasks "
-              f"({fim.order.upper()}, {'greedy' if not params.temperature else f'temperature {params.temperature}'})",
-              file=sys.stderr)
+        logger.info(f"generating {args.num_samples_per_task} middle(s) for each of {len(problems)} {args.benchmark} "
+                    f"tasks ({fim.order.upper()}, "
+                    f"{'greedy' if not params.temperature else f'temperature {params.temperature}'})")
         return {"python": generate_infilling_samples(generator, problems, fim, num_samples=args.num_samples_per_task,
                                                      params=params, batch_size=args.batch_size, progress=True)}
     samples_by = {}
@@ -244,8 +249,8 @@ def generate(args, problems_by: dict[str, dict]) -> dict[str, list[dict]]:
         params = default_params(args.num_samples_per_task, max_new_tokens=args.max_new_tokens,
                                 temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                                 language=lang)
-        print(f"generating {args.num_samples_per_task} sample(s) for each of {len(problems)}{_label(lang)} tasks "
-              f"({'greedy' if not params.temperature else f'temperature {params.temperature}'})", file=sys.stderr)
+        logger.info(f"generating {args.num_samples_per_task} sample(s) for each of {len(problems)}{_label(lang)} "
+                    f"tasks ({'greedy' if not params.temperature else f'temperature {params.temperature}'})")
         samples_by[lang] = generate_samples(generator, problems, num_samples=args.num_samples_per_task,
                                             params=params, batch_size=args.batch_size, progress=True)
     return samples_by
@@ -309,6 +314,7 @@ def samples_for(args, problems: dict, samples: list[dict], lang: str) -> list[di
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    setup_logging(info_stream="stderr")  # stdout is the results
     from codegeex_train.evaluation import (
         ProblemsError,
         Sandbox,
@@ -367,16 +373,16 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{PROG}: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None  # bad input: one line, exit 2 as argparse
 
-    print(f"sandbox ({sandbox.workers} workers):", file=sys.stderr)
+    logger.info(f"sandbox ({sandbox.workers} workers):")
     for name, what in sandbox.guards.items():
-        print(f"  {name}: {what}", file=sys.stderr)
+        logger.info(f"  {name}: {what}")
     for lang, toolchain in toolchains.items():  # the limits above are Python's; each language has its own
         reads = f"; also reads {', '.join(toolchain.ro_paths)}" if toolchain.ro_paths else ""
-        print(f"  {lang}: {toolchain.timeout:g} s per sample (build included), RLIMIT_AS {toolchain.memory_mb} MiB, "
-              f"RLIMIT_NPROC {toolchain.language.max_processes}{reads}", file=sys.stderr)
+        logger.info(f"  {lang}: {toolchain.timeout:g} s per sample (build included), RLIMIT_AS "
+                    f"{toolchain.memory_mb} MiB, RLIMIT_NPROC {toolchain.language.max_processes}{reads}")
     if sandbox.unsafe:
-        print(f"warning: --unsafe-no-sandbox: samples run without isolation (sandbox: {sandbox.isolation}); the "
-              f"results and metrics records say so", file=sys.stderr)
+        logger.warning(f"--unsafe-no-sandbox: samples run without isolation (sandbox: {sandbox.isolation}); the "
+                       f"results and metrics records say so")
     from tqdm import tqdm
 
     evaluations = []
@@ -394,16 +400,14 @@ def main(argv: list[str] | None = None) -> None:
                                                         on_result=lambda i, r: bar.update(1), language=lang,
                                                         toolchain=toolchains.get(lang), scoring=args.scoring))
             seconds = time.monotonic() - start
-            print(f"{lang}: {len(samples)} samples in {seconds:.1f} s ({len(samples) / seconds:.2f} per second)",
-                  file=sys.stderr)
+            logger.info(f"{lang}: {len(samples)} samples in {seconds:.1f} s ({len(samples) / seconds:.2f} per second)")
     finally:
         for toolchain in toolchains.values():
             toolchain.close()
     per_task = min(e.samples_per_task for e in evaluations)
     skipped = [k for k in args.ks if any(k not in e.pass_at_k for e in evaluations)]
     if skipped and args.k:
-        print(f"pass@{','.join(map(str, skipped))} not reported: a task has only {per_task} sample(s)",
-              file=sys.stderr)
+        logger.warning(f"pass@{','.join(map(str, skipped))} not reported: a task has only {per_task} sample(s)")
     metrics = {key: value for e in evaluations for key, value in e.metrics().items()}
     metrics["scoring"] = args.scoring
     if unknown is not None:

@@ -53,12 +53,14 @@ from codegeex_train.config.model_config import ModelConfig
 from codegeex_train.data.code_tokens import FIM_ORDERS
 from codegeex_train.data.tokenizer import TokenizerError, load_tokenizer
 from codegeex_train.distributed.cluster import ClusterError, join_process_group, rank_env_from_slurm
+from codegeex_train.distributed.log import get_logger, setup_logging
 from codegeex_train.distributed.topology import ParallelDims, Topology
 from codegeex_train.generation import FimFormat, Generator, InfillError, SamplingParams
 from codegeex_train.generation.generator import check_checkpoint_layout
 from codegeex_train.generation.infill import DEFAULT_MARKER, fim_format, fim_tokens_if_trained, split_at_marker
 
 PROG = "generate.py"
+logger = get_logger("tools.generate")
 PARALLEL_FIELDS = ("tensor_model_parallel_size", "distributed_backend", "distributed_timeout_minutes")
 END_OF_PROMPT = "."  # interactive mode: a line holding only this ends a prompt
 _ESCAPE = re.compile(r"\\([nt\\])")
@@ -333,9 +335,8 @@ def run_batches(gen: Generator, records: list[dict], params: SamplingParams, bat
 
 
 def interactive(gen: Generator, params: SamplingParams, config: ModelConfig, tokenizer, rank: int, sink: Sink) -> None:
-    if rank == 0:
-        print(f"Type or paste a prompt; a line holding only '{END_OF_PROMPT}' generates, the end of input (Ctrl-D) "
-              f"generates and quits.", file=sys.stderr, flush=True)
+    logger.info(f"Type or paste a prompt; a line holding only '{END_OF_PROMPT}' generates, the end of input (Ctrl-D) "
+                f"generates and quits.")
     more = True
     while more:
         prompt, more = read_interactive(rank)
@@ -361,14 +362,14 @@ def main(argv: list[str] | None = None) -> None:
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if rank != 0:
         warnings.simplefilter("ignore")  # every rank would repeat rank 0's warnings
+    setup_logging(rank=rank, info_stream="stderr")  # stdout is the completions
     args = parse_args(argv)
     try:  # the same on every rank: rank 0 reports
         params, tokenizer, config, records, which_tokenizer, fim = prepare(args, world_size)
         sink = Sink(args.output, rank)
     except (GenerateError, ConfigError, TokenizerError, CheckpointError, InfillError, OSError) as e:
         fail(str(e), rank)
-    if rank == 0:
-        print(which_tokenizer, file=sys.stderr, flush=True)
+    logger.info(which_tokenizer)
     owns_group = world_size > 1 and not dist.is_initialized()
     try:
         tp_group, device = init_group(args, world_size)
@@ -398,7 +399,7 @@ def main(argv: list[str] | None = None) -> None:
         if owns_group and dist.is_initialized():
             dist.destroy_process_group()
     if sink.file is not None:
-        print(f"wrote {sink.count} completion(s) to {args.output}", file=sys.stderr)
+        logger.info(f"wrote {sink.count} completion(s) to {args.output}")
 
 
 if __name__ == "__main__":

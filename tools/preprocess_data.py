@@ -60,6 +60,7 @@ from codegeex_train.data.preprocess import (
 from codegeex_train.data.repo_documents import DOCUMENT_LEVELS, FILE_ORDERS, REPO_FORMATS, DocumentSpec
 from codegeex_train.data.source_files import SourceFields
 from codegeex_train.data.tokenizer import DEFAULT_TOKENIZER_PATH, TOKENIZER_TYPES, TokenizerError
+from codegeex_train.distributed.log import setup_logging
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -221,6 +222,7 @@ def _raise_terminated(signum, frame) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    setup_logging(info_stream="stderr")  # the package's warnings (e.g. skipped bad records); stdout is the summary
     args = parse_args(argv)
     spec = TokenizerSpec(args.tokenizer_type, args.tokenizer_model, args.vocab_file,
                          args.merge_file, args.whitespace_encoding)

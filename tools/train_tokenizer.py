@@ -38,6 +38,7 @@ from codegeex_train.data.whitespace import (
     split_whitespace_runs,
     whitespace_tokens,
 )
+from codegeex_train.distributed.log import get_logger, setup_logging
 
 
 @dataclasses.dataclass
@@ -152,7 +153,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     inputs = [str(p) for p in default_corpus_files()] if args.default_corpus else args.input
-    print(f"training a BPE (vocab {args.vocab_size}) on {len(inputs)} inputs", file=sys.stderr)
+    setup_logging(info_stream="stderr")  # stdout is the summary
+    get_logger("tools.train_tokenizer").info(f"training a BPE (vocab {args.vocab_size}) on {len(inputs)} inputs")
     try:
         summary = train_bpe_tokenizer(
             inputs,

@@ -57,6 +57,7 @@ from codegeex_train.accounting.theory import (
     recomputed_attentions,
     stage_parameters,
 )
+from codegeex_train.config.config_file import PLANNER_SECTION, ConfigFileError, preset_path, section
 from codegeex_train.config.model_config import ModelConfig, ModelConfigError
 from codegeex_train.config.plan import ParallelPlan
 from codegeex_train.config.recompute import Recompute
@@ -70,28 +71,58 @@ GIB = 2**30
 # ~1,000 tokens on NVLink at A100 rates, ~8,000 on CodeGeeX's preset), and such sequences need no CP for memory.
 MIN_CP_TOKENS = 1024
 
-# CodeGeeX-13B as trained (THUDM/CodeGeeX README and paper): 39 layers + top query layer, h 5120, 40 heads,
-# ffn 20480, vocabulary padded to 52,224, sequence 2048, fp16, global batch 3,072 (micro-batch 16 on 192 DP
-# ranks), on 1,536 Ascend 910 (32 GB). Device figures are our assumptions: 256 TFLOP/s fp16 (Huawei's spec),
-# HCCS ~30 GB/s between the chips of a server, one 100 Gb/s RoCE port per chip between servers.
-PRESETS = {
-    "codegeex-13b": dict(num_layers=39, hidden_size=5120, num_attention_heads=40, ffn_hidden_size=20480,
-                         vocab_size=52224, max_position_embeddings=2048, seq_length=2048, global_batch_size=3072,
-                         dtype="fp16", world_size=1536, gpus_per_node=8, gpu_memory_gb=32, peak_tflops=256,
-                         intra_node_gbps=240, inter_node_gbps=100, fused_attention=False),
+# Presets are the training presets, configs/NAME.yaml (config/config_file.py; also read by scripts/pretrain_codegen.sh
+# and benchmarks/gpu.py): the shape from model:, the sequence and global batch from train:, and from planner: the
+# tokenizer's vocabulary, the compute dtype and the cluster (codegeex-13b: CodeGeeX's 1,536 Ascend 910, the file
+# cites its sources).
+PRESET_KEYS = {
+    "model": ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
+              "make_vocab_size_divisible_by", "position_embedding_type", "top_query_layer"),
+    "train": ("seq_length", "global_batch_size"),
+    PLANNER_SECTION: ("vocab_size", "dtype", "world_size", "gpus_per_node", "gpu_memory_gb", "peak_tflops",
+                      "intra_node_gbps", "inter_node_gbps", "efficiency", "overhead_gb", "fused_attention"),
 }
+
+
+def preset_values(name: str) -> dict:
+    """The planner's values (its flags' names, underscored) of a preset (configs/NAME.yaml) or a config file;
+    ConfigFileError for a missing file or an unknown key in its planner: section."""
+    path = preset_path(name)
+    values = {}
+    for name_, keys in PRESET_KEYS.items():
+        given = {str(k).replace("-", "_"): v for k, v in section(path, name_).items()}
+        unknown = sorted(set(given) - set(keys)) if name_ == PLANNER_SECTION else []
+        if unknown:
+            raise ConfigFileError(f"--config {path}: unknown key {PLANNER_SECTION}.{unknown[0]} (it holds "
+                                  f"{', '.join(keys)})")
+        values.update({k: given[k] for k in keys if given.get(k) is not None})
+    if "top_query_layer" in values:
+        values["no_top_query_layer"] = not values.pop("top_query_layer")
+    return values
+
+
+def _model(values: dict) -> ModelConfig:
+    return ModelConfig(num_layers=values["num_layers"], hidden_size=values["hidden_size"],
+                       num_attention_heads=values["num_attention_heads"],
+                       ffn_hidden_size=values.get("ffn_hidden_size"),
+                       max_position_embeddings=values.get("max_position_embeddings", values["seq_length"]),
+                       make_vocab_size_divisible_by=values.get("make_vocab_size_divisible_by", 128),
+                       top_query_layer=not values.get("no_top_query_layer", False),
+                       position_embedding_type=values.get("position_embedding_type", "learned_absolute"),
+                       vocab_size=values["vocab_size"])
+
+
+def _cluster(values: dict) -> "Cluster":
+    return Cluster(**{k: values[k] for k in ("world_size", "gpus_per_node", "gpu_memory_gb", "peak_tflops",
+                                             "intra_node_gbps", "inter_node_gbps", "efficiency", "overhead_gb",
+                                             "fused_attention") if k in values})
 
 
 def from_preset(name: str) -> tuple[ModelConfig, "Cluster", dict]:
     """(model, cluster, rank_layouts() keywords) of a preset."""
-    v = PRESETS[name]
-    model = ModelConfig(num_layers=v["num_layers"], hidden_size=v["hidden_size"],
-                        num_attention_heads=v["num_attention_heads"], ffn_hidden_size=v["ffn_hidden_size"],
-                        max_position_embeddings=v["max_position_embeddings"], vocab_size=v["vocab_size"])
-    cluster = Cluster(**{k: v[k] for k in ("world_size", "gpus_per_node", "gpu_memory_gb", "peak_tflops",
-                                           "intra_node_gbps", "inter_node_gbps", "fused_attention")})
-    return model, cluster, {"seq_length": v["seq_length"], "global_batch_size": v["global_batch_size"],
-                            "dtype_bytes": 4 if v["dtype"] == "fp32" else 2}
+    v = preset_values(name)
+    return _model(v), _cluster(v), {"seq_length": v["seq_length"], "global_batch_size": v["global_batch_size"],
+                                    "dtype_bytes": 4 if v.get("dtype") == "fp32" else 2}
 
 
 @dataclass(frozen=True)
@@ -491,14 +522,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m codegeex_train.accounting.planner",
                 description="Rank (TP, CP, PP, v, DP, micro-batch, sequence parallelism, recompute) layouts by "
                             "estimated step time.")
-    p.add_argument("--config", choices=sorted(PRESETS), help="a model + cluster preset; flags given override it")
+    p.add_argument("--config", metavar="NAME", help="a preset, configs/NAME.yaml (codegeex-13b: CodeGeeX's model "
+                   "and cluster), or a .yaml file: its model, batch and planner: sections; flags given override it")
     pint, pfloat = _positive(int), _positive(float)
     m = p.add_argument_group("model (the training CLI's flags)")
     for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size", "--vocab-size",
                  "--max-position-embeddings", "--seq-length", "--global-batch-size"):
         m.add_argument(flag, type=pint)
-    m.add_argument("--make-vocab-size-divisible-by", type=pint, default=128)
-    m.add_argument("--no-top-query-layer", action="store_true", help="a plain GPT (no CodeGeeX top query layer)")
+    m.add_argument("--make-vocab-size-divisible-by", type=pint, help="(default 128)")
+    m.add_argument("--no-top-query-layer", action="store_true", default=None,
+                   help="a plain GPT (no CodeGeeX top query layer)")
     m.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"),
                    help="rope: no position table, a one-row top query table (default learned_absolute)")
     m.add_argument("--micro-batch-size", type=pint, nargs="+", help="candidates (default: powers of two)")
@@ -537,25 +570,17 @@ def main(argv: list[str] | None = None) -> None:
     p = build_parser()
     args = p.parse_args(argv)
     given = {k: v for k, v in vars(args).items() if v is not None}
-    values = {**PRESETS.get(args.config or "", {}), **given}
+    try:
+        values = {**(preset_values(args.config) if args.config else {}), **given}
+    except ConfigFileError as e:
+        p.error(str(e))
     for flag in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length",
                  "global_batch_size", "world_size"):
         if flag not in values:
             p.error(f"--{flag.replace('_', '-')} is required (or --config)")
     if values.get("efficiency", 0.5) > 1:
         p.error(f"--efficiency {values['efficiency']}: a fraction of peak, at most 1")
-    model = ModelConfig(num_layers=values["num_layers"], hidden_size=values["hidden_size"],
-                        num_attention_heads=values["num_attention_heads"],
-                        ffn_hidden_size=values.get("ffn_hidden_size"),
-                        max_position_embeddings=values.get("max_position_embeddings", values["seq_length"]),
-                        make_vocab_size_divisible_by=values["make_vocab_size_divisible_by"],
-                        top_query_layer=not values["no_top_query_layer"],
-                        position_embedding_type=values.get("position_embedding_type", "learned_absolute"),
-                        vocab_size=values["vocab_size"])
-    cluster = Cluster(**{k: values[k] for k in ("world_size", "gpus_per_node", "gpu_memory_gb", "peak_tflops",
-                                                "intra_node_gbps", "inter_node_gbps", "efficiency", "overhead_gb",
-                                                "fused_attention")
-                         if k in values})
+    model, cluster = _model(values), _cluster(values)
     dtype = values.get("dtype", "bf16")
     only_cp, seq = values.get("context_parallel_size"), values["seq_length"]
     if only_cp is not None and only_cp > 1 and seq % (2 * only_cp):

@@ -5,8 +5,15 @@
 ``safe_load.py``    weights-only unpickling of every file we read: a file whose pickle would run code is refused
 ``deepspeed_files.py``  the structure of DeepSpeed's model and ZeRO files, checked before anything indexes them
 ``sharding.py``     full (TP = 1) <-> TP-sharded state dicts, full -> pipeline stages
+``convert.py``      our checkpoint between layouts (``Layout``, re-splitting), streamed one tensor at a time
+``hf_format.py``    the Hugging Face adapter (--to-hf / --from-hf): GPT-2-shaped models as GPT2LMHeadModel, every
+                    other as CodeGeeX remote code; config, tokenizer, generation config, sharded safetensors
+``hf_files.py``     an HF directory's weight files: sharded safetensors written as they fill, read back checked
 ``hf_gpt2.py``      Hugging Face GPT-2 <-> our full state dict
-``codegeex_weights.py``  the released CodeGeeX checkpoint layout <-> our full state dict
+``hf_codegeex.py``  Hugging Face CodeGeeX (remote code in ``hf_remote/``) <-> our full state dict
+``hf_tokenizer.py`` our tokenizer <-> an HF directory's tokenizer files
+``codegeex_release.py``  the released CodeGeeX weights file <-> our checkpoint (the adapter)
+``codegeex_weights.py``  the released CodeGeeX checkpoint layout <-> our full state dict (the name mapping)
 ``train_state.py``  the counters and RNG streams a resume needs beyond model and optimizer
 ``training.py``     training checkpoints through DeepSpeed (model, ZeRO partitions, train state); its checkpoint
                     engine (weights-only loads, failed saves reported)
@@ -15,7 +22,7 @@
 ==================  ==========================================================================================
 
 May import: ``model``, ``pipeline``, ``tensor_parallel``, ``distributed``, ``config``, ``metrics`` (the redaction of
-credentials in what a checkpoint records). Nothing here trains.
+credentials in what a checkpoint records), ``data`` (tokenizers, for the exports). Nothing here trains.
 """
 
 from codegeex_train.checkpoint.files import (

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import logging
 import os
 import shutil
-import sys
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,8 @@ from codegeex_train.checkpoint.train_state import TrainState, rng_state, set_rng
 from codegeex_train.config.model_config import ModelConfig
 from codegeex_train.distributed.topology import Topology
 from codegeex_train.tensor_parallel import RNGStatesTracker
+
+logger = logging.getLogger(__name__)
 
 
 class CheckpointStop(SystemExit):
@@ -194,15 +196,18 @@ def _fail_save(save_dir: str, tag: str, rank: int, failure: tuple[str, str], fai
     more = f" (and {others} more rank{'s' if others > 1 else ''})" if others else ""
     message = (f"could not save checkpoint {tag} to {save_dir}: rank {rank}{more} could not write {path}: {cause}; "
                f"{removed}; 'latest' is unchanged: {_last_complete(save_dir)}")
-    if dist.get_rank() == 0:
-        print(f"error: {message}", file=sys.stderr, flush=True)
+    if dist.get_rank() == 0:  # the ranks agreed on the message: said once
+        logger.error(message)
     dist.barrier()  # the directory is gone before any rank raises
     raise CheckpointSaveError(message)
 
 
 def save_checkpoint(engine, save_dir: str, state: TrainState, config: ModelConfig, topology: Topology,
-                    tracker: RNGStatesTracker, *, tokenizer: dict | None = None, num_chunks: int = 1) -> str:
-    """``tokenizer``: the run's tokenizer settings (``files.tokenizer_settings``), recorded for the tools.
+                    tracker: RNGStatesTracker, *, tokenizer: dict | None = None, num_chunks: int = 1,
+                    resolved_config: str | None = None) -> str:
+    """``tokenizer``: the run's tokenizer settings (``files.tokenizer_settings``), recorded for the tools;
+    ``resolved_config``: the run's flags as a config file (``config_file.dump_resolved``), recorded as
+    ``resolved_config`` in the metadata (``--config`` of it reproduces the run).
 
     A failed write on any rank ends the save on every rank with :class:`CheckpointSaveError` (one ``error:``
     line from rank 0, the partial tag directory removed, ``latest`` unchanged)."""
@@ -219,6 +224,8 @@ def save_checkpoint(engine, save_dir: str, state: TrainState, config: ModelConfi
             "iteration": state.iteration, "train_state": dataclasses.asdict(state), "num_chunks": num_chunks}
     if tokenizer is not None:
         meta["tokenizer"] = tokenizer
+    if resolved_config is not None:
+        meta["resolved_config"] = resolved_config
     safe = install_checkpoint_engine(engine)
     safe.take_failure()
     engine.save_checkpoint(save_dir, tag=tag, client_state={META_KEY: meta}, save_latest=False)
@@ -322,7 +329,7 @@ def load_checkpoint(engine, load_dir: str, tag: str, tracker: RNGStatesTracker, 
     if outcome is not None:
         message = f"--load {load_dir} ({tag}): {outcome[1]}"
         if dist.get_rank() == 0:
-            print(f"error: {message}", file=sys.stderr, flush=True)
+            logger.error(message)
         raise CheckpointLoadError(message)
     if client is None or "train_state" not in client.get(META_KEY, {}):
         raise CheckpointError(f"--load {load_dir} ({tag}): DeepSpeed found no training state to resume")

@@ -6,7 +6,9 @@
          "codegeex_train": {"model_config": asdict(config), "tp_size", "pp_size", "iteration",
                             "num_chunks": v, the model chunks per rank of interleaved 1F1B (optional, 1),
                             "tokenizer": the five tokenizer flags, file paths absolute, and the four FIM
-                                         flags of a run that trains FIM (optional)}}
+                                         flags of a run that trains FIM (optional),
+                            "resolved_config": the run's flags as a config file, text (training checkpoints;
+                                               config/config_file.py)}}
 
 Under interleaved 1F1B a rank's file holds all of its chunks' layers under their global names, so it is named and
 read like any stage's; only which layers it holds depends on v (``saved_num_chunks``).

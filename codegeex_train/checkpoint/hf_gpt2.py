@@ -11,7 +11,7 @@ import torch
 from codegeex_train.config.model_config import ModelConfig
 
 # Our per-layer name -> GPT-2's (transformer.h.{i}.) name, and whether HF's Conv1D stores it (in, out).
-_LAYER_MAP: tuple[tuple[str, str, bool], ...] = (
+LAYER_MAP: tuple[tuple[str, str, bool], ...] = (
     ("input_layernorm.weight", "ln_1.weight", False),
     ("input_layernorm.bias", "ln_1.bias", False),
     ("attention.query_key_value.weight", "attn.c_attn.weight", True),
@@ -50,7 +50,7 @@ def hf_gpt2_config(config: ModelConfig):
 
     if config.rope:
         raise ValueError("a --position-embedding-type rope model is not a GPT-2 (GPT-2 has learned positions): "
-                         "there is no Hugging Face export for RoPE models yet")
+                         "it exports as CodeGeeX remote code (hf_codegeex.py)")
     if config.top_query_layer or config.activation != "gelu_tanh":
         raise ValueError(f"only a model with --no-top-query-layer and --activation gelu_tanh is a GPT-2 "
                          f"(this one: top_query_layer={config.top_query_layer}, activation={config.activation})")
@@ -69,7 +69,7 @@ def hf_gpt2_to_full(hf_sd: dict[str, torch.Tensor], config: ModelConfig) -> dict
     padding = wte.new_zeros(config.padded_vocab_size - wte.shape[0], wte.shape[1])
     full = {"word_embeddings.weight": torch.cat([wte, padding]), "position_embeddings.weight": sd["wpe.weight"]}
     for i in range(config.num_layers):
-        for ours, theirs, conv1d in _LAYER_MAP:
+        for ours, theirs, conv1d in LAYER_MAP:
             t = sd[f"h.{i}.{theirs}"]
             full[f"layers.{i}.{ours}"] = t.t() if conv1d else t  # Conv1D is (in, out); Linear is (out, in)
     full["final_layernorm.weight"], full["final_layernorm.bias"] = sd["ln_f.weight"], sd["ln_f.bias"]
@@ -82,7 +82,7 @@ def full_to_hf_gpt2(full_sd: dict[str, torch.Tensor], config: ModelConfig) -> di
     wte = full_sd["word_embeddings.weight"][: hf_config.vocab_size]
     hf = {"transformer.wte.weight": wte, "transformer.wpe.weight": full_sd["position_embeddings.weight"]}
     for i in range(config.num_layers):
-        for ours, theirs, conv1d in _LAYER_MAP:
+        for ours, theirs, conv1d in LAYER_MAP:
             t = full_sd[f"layers.{i}.{ours}"]
             hf[f"transformer.h.{i}.{theirs}"] = t.t() if conv1d else t
     hf["transformer.ln_f.weight"] = full_sd["final_layernorm.weight"]

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 import os
 import re
 from collections.abc import Sequence
@@ -81,6 +82,8 @@ from codegeex_train.config.plan import ParallelPlan
 from codegeex_train.distributed.topology import ParallelDims, Topology
 from codegeex_train.pipeline import sync_shared_embedding
 from codegeex_train.tensor_parallel import RNGStatesTracker
+
+logger = logging.getLogger(__name__)
 
 
 class ResumeKind(enum.Enum):
@@ -313,8 +316,8 @@ def restore(resume: Resume | None, model: torch.nn.Module, topology: Topology, t
     Under ``resume.finetune`` a training checkpoint's model files go into the model before the engine is built too,
     and nothing else is restored: a fresh optimizer, LR schedule and TrainState, the RNG streams as seeded."""
     kind, stage_layers = resume.kind if resume is not None else None, plan.stage_layers
-    if resume is not None and resume.note and topology.rank == 0:
-        print(resume.note, flush=True)
+    if resume is not None and resume.note:
+        logger.info(resume.note)
     finetune = resume is not None and resume.finetune
     if kind is ResumeKind.UNIVERSAL:
         load_universal_weights(model, resume.load_dir, resume.tag, pp_rank=topology.pp_rank,

@@ -2,12 +2,15 @@
 
 ==================  ======================================================================================
 ``options.py``      ``option()``: a dataclass field that is also a flag; argparse generated from the dataclasses
-``model.py``        ``ModelConfig``: the model's shape and maths (``--num-layers``, ``--hidden-size``, ...)
+``model_config.py``  ``ModelConfig``: the model's shape and maths (``--num-layers``, ``--hidden-size``, ...)
 ``arguments.py``    the other sections (parallel, train, optim, data, logging), ``parse_args`` and ``validate``:
                     every cross-section rule in one place, deriving the run's ``ParallelPlan``
 ``plan.py``         ``ParallelPlan``: the run's dimensions, micro-batches, stages, sequence parallelism, recompute
                     and activation shape, made once and passed to every consumer
+``recompute.py``    ``Recompute``: what activation recompute re-runs (none, selective, full) and how many layers
 ``deepspeed.py``    the DeepSpeed JSON built from the flags (a user's ``--deepspeed-config`` may only add to it)
+``config_file.py``  ``--config FILE.yaml`` (the presets in configs/): a file's values become flags before the
+                    command line's; ``dump_resolved`` writes a run's whole config back as such a file
 ==================  ======================================================================================
 
 ``megatron_flags.py``: Megatron-LM's flags, each the same as ours, an alias, accepted without effect, or refused with

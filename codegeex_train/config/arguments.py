@@ -15,7 +15,7 @@ import tempfile
 import warnings
 from dataclasses import dataclass
 
-from codegeex_train.config import megatron_flags
+from codegeex_train.config import config_file, megatron_flags
 from codegeex_train.config.model_config import ModelConfig, ModelConfigError
 from codegeex_train.config.recompute import GRANULARITIES as RECOMPUTE_GRANULARITIES
 from codegeex_train.config.recompute import METHODS as RECOMPUTE_METHODS
@@ -34,6 +34,8 @@ from codegeex_train.config.options import (
     out_of_range,
 )
 from codegeex_train.config.plan import ParallelPlan
+from codegeex_train.distributed.log import LEVELS as LOG_LEVELS
+from codegeex_train.distributed.log import level_name
 from codegeex_train.distributed.topology import ParallelConfigError, ParallelDims
 from codegeex_train.pipeline.stages import (
     PipelineSplitError,
@@ -109,7 +111,7 @@ class TrainConfig:
                                           "--recompute-num-layers (default), block = only the first "
                                           "--recompute-num-layers layers of each stage", choices=RECOMPUTE_METHODS)
     recompute_num_layers: int | None = option(None, "full recompute: layers per unit (uniform) or layers "
-                                              "recomputed per stage (block), 1..--num-layers; default 1")
+                                              "recomputed per stage (block), 1..--num-layers (default 1)")
     # (its range depends on --num-layers: recompute_from_args checks it)
     recompute_modules: list[str] | None = option(None, "selective recompute: any of core_attn (the attention "
                                                  "core, default), mlp_act (the MLP activation's output), layernorm "
@@ -183,6 +185,12 @@ class TrainConfig:
     skip_memory_check: bool = option(False, "start even when the memory estimate (model state, activations, sample "
                                      "index; checked before anything is built) exceeds what this host or GPU has "
                                      "free")
+    dry_run: bool = option(False, "run every check a launch runs (flags, tokenizer and data files, the layout at "
+                           "the launcher's WORLD_SIZE ranks, the DeepSpeed config, --load, memory), print the "
+                           "resolved config and exit 0; no process group, nothing written. GPU ranks checked on a "
+                           "host without a GPU skip the GPU memory check, saying so")
+    dry_run_skip_data: bool = option(False, "with --dry-run: skip the data-file check, for data that is built "
+                                     "before the launch (scripts/pretrain_codegen.sh's default corpus)")
 
 
 @dataclass
@@ -262,6 +270,53 @@ class LoggingConfig:
     progress_bar: bool = option(True, "show a progress bar on the logging rank")
     peak_tflops: float | None = option(None, "the device's peak dense TFLOP/s at the training precision, to "
                                        "report MFU (e.g. 989 for an H100 SXM in bf16)", bounds=above(0))
+    # TensorBoard (Megatron's flags): the records of metrics.jsonl, less what the switches below turn off.
+    tensorboard_dir: str | None = option(None, "write TensorBoard event files here (the logging rank): the scalars "
+                                         "of metrics.jsonl, named as in wandb (train/loss, valid/ppl, ...)")
+    tensorboard_log_interval: int = option(1, "TensorBoard gets the train records of iterations divisible by N (a "
+                                           "record exists every --log-interval)", bounds=at_least(1))
+    tensorboard_queue_size: int = option(1000, "events TensorBoard's writer holds before writing them to disk",
+                                         bounds=at_least(1))
+    # Megatron spells its off switch --no-log-learnig-rate-to-tensorboard; both spellings are taken.
+    log_learning_rate_to_tensorboard: bool = option(True, "the learning rate in TensorBoard", flags=(
+        "--log-learning-rate-to-tensorboard", "--log-learnig-rate-to-tensorboard"))
+    log_loss_scale_to_tensorboard: bool = option(True, "the loss scale in TensorBoard")
+    log_gradient_norm_to_tensorboard: bool = option(True, "the gradient norm in TensorBoard")
+    # Profiling (docs/profiling.md). Iterations are numbered as logged; Megatron's window: start+1..end.
+    profile: bool = option(False, "trace iterations --profile-step-start+1 .. --profile-step-end with torch.profiler "
+                           "into <tensorboard-dir or save>/profile/ (Chrome trace JSON: Perfetto, TensorBoard)")
+    profile_step_start: int = option(10, "profiling starts after this iteration", bounds=at_least(0))
+    profile_step_end: int = option(12, "profiling stops after this iteration", bounds=at_least(1))
+    profile_ranks: list[int] = option(help="the global ranks that profile and record memory history",
+                                      default_factory=lambda: [0], bounds=at_least(0))
+    record_memory_history: bool = option(False, "GPUs: record CUDA allocations from the start, and dump a snapshot "
+                                         "(pytorch.org/memory_viz) after --profile-step-end; on CPU a warning")
+    memory_snapshot_path: str | None = option(None, "the snapshot file (default: <tensorboard-dir or save>/profile/"
+                                              "memory_snapshot_rank<R>.pickle); with several --profile-ranks, "
+                                              "_rank<R> goes before its extension")
+
+    def check(self, world_size: int, save: str | None) -> None:
+        """The profiling flags against the run, before any process group; ConfigError naming the flag."""
+        if not (self.profile or self.record_memory_history):
+            if self.memory_snapshot_path is not None:
+                raise ConfigError("--memory-snapshot-path goes with --record-memory-history")
+            return
+        if self.profile_step_start >= self.profile_step_end:
+            raise ConfigError(f"--profile-step-start {self.profile_step_start} must be below --profile-step-end "
+                              f"{self.profile_step_end} (profiling covers iterations start+1 .. end)")
+        absent = [str(r) for r in self.profile_ranks if r >= world_size]
+        if absent:
+            raise ConfigError(f"--profile-ranks {' '.join(absent)}: this run has ranks 0..{world_size - 1} (world "
+                              f"size {world_size})")
+        if not (self.tensorboard_dir or save) and (self.profile or self.memory_snapshot_path is None):
+            flag = "--profile" if self.profile else "--record-memory-history"
+            raise ConfigError(f"{flag} writes into <tensorboard-dir or save>/profile/: pass --tensorboard-dir DIR or "
+                              f"--save DIR" + ("" if self.profile else " (or --memory-snapshot-path FILE)"))
+    log_level: str = option("info", "console messages at this level and above (rank 0's; see --log-all-ranks); "
+                            "Megatron's numbers too: 10 debug, 20 info, 30 warning, 40 error",
+                            choices=tuple(LOG_LEVELS))
+    log_all_ranks: bool = option(False, "every rank logs at --log-level, each line prefixed [rank N] (default: rank "
+                                 "0 only; the other ranks say warnings and errors, prefixed)")
 
 
 SECTIONS = {
@@ -308,14 +363,25 @@ examples:
 
 def parser() -> FlagParser:
     p = build_parser(SECTIONS, DESCRIPTION, usage=USAGE)
+    # Listed first in --help (argparse's own group); parse_args replaces it by the file's flags before parsing.
+    p.add_argument("--config", metavar="FILE.yaml", default=None,
+                   help="start from this config file (configs/*.yaml, or a run's <save>/config.yaml): its sections "
+                        "hold the flags below by field name; flags on the command line override it "
+                        "(docs/config-files.md)")
     # The deepspeed launcher appends --local_rank=N; torchrun sets LOCAL_RANK instead.
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    p._option_string_actions["--log-level"].type = level_name  # a name, or Megatron's number (--logging-level)
     add_foreign_flags(p, megatron_flags.PRETRAIN, megatron_flags.ORIGIN, megatron_flags.SEE)
     return p
 
 
 def parse_args(argv: list[str] | None = None) -> Args:
-    ns = parser().parse_args(argv)
+    p = parser()
+    try:
+        argv = config_file.expand(p, argv, SECTIONS)
+    except config_file.ConfigFileError as e:
+        p.error(str(e))
+    ns = p.parse_args(argv)
     return Args(**{name: dataclass_from_args(cls, ns) for name, cls in SECTIONS.items()})
 
 

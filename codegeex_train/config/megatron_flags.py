@@ -92,6 +92,8 @@ PRETRAIN: dict[str, ForeignFlag] = {
     "--norm-epsilon": ForeignFlag(ALIAS, "--layernorm-epsilon", "LayerNorm is our only norm"),
     "--wandb-exp-name": ForeignFlag(ALIAS, "--wandb-name", "the wandb run name"),
     "--wandb-save-dir": ForeignFlag(ALIAS, "--wandb-dir", "where wandb writes its files"),
+    "--logging-level": ForeignFlag(ALIAS, "--log-level", "logging's numbers (10 debug, 20 info, 30 warning, 40 "
+                                   "error) or those names; rank 0's level (--log-all-ranks: every rank's)"),
     "--openai-gelu": ForeignFlag(ALIAS, "--activation gelu_tanh", "GPT-2's tanh approximation of GeLU"),
     **TOKENIZER_TYPES,
     # --- accepted, no effect: what they ask for is what happens ---
@@ -176,8 +178,31 @@ PRETRAIN: dict[str, ForeignFlag] = {
     "--mock-data": ForeignFlag(REFUSED, "tools/preprocess_data.py --input default, then --data-path",
                                "no synthetic data: the demo corpus is the Python stdlib"),
     "--dataloader-type": ForeignFlag(REFUSED, DROP, "one sampler: Megatron's 'single' (ordered, resumable)"),
-    **_refused("--tensorboard-dir --tensorboard-* --log-*-to-tensorboard", "--wandb-project (offline without a "
-               "key) or --metrics-file (JSON lines)", "no TensorBoard writer"),
+    # --- TensorBoard and profiling (docs/profiling.md) ---
+    **_same("--tensorboard-log-interval --tensorboard-queue-size --no-log-loss-scale-to-tensorboard "
+            "--no-log-gradient-norm-to-tensorboard --profile-ranks"),
+    **_same("--tensorboard-dir", "the scalars of metrics.jsonl under wandb's names (train/loss, valid/ppl, ...)"),
+    **_same("--no-log-learnig-rate-to-tensorboard", "Megatron's spelling; also --no-log-learning-rate-to-tensorboard"),
+    **_same("--profile", "always torch.profiler (Megatron: nsys unless --use-pytorch-profiler); traces in "
+                         "<tensorboard-dir or save>/profile/"),
+    **_same("--profile-step-start --profile-step-end", "as Megatron's: iterations start+1 .. end as logged"),
+    **_same("--record-memory-history", "CUDA only; on the --profile-ranks (Megatron: the last rank), dumped once after "
+                                       "--profile-step-end (Megatron: at every log line)"),
+    **_same("--memory-snapshot-path", "default <tensorboard-dir or save>/profile/memory_snapshot_rank<R>.pickle "
+                                      "(Megatron: snapshot.pickle)"),
+    "--use-pytorch-profiler": ForeignFlag(IGNORED, "(always on)", "--profile always uses torch.profiler"),
+    "--pytorch-profiler-collect-shapes": ForeignFlag(IGNORED, "(always on)", "--profile always records shapes"),
+    "--log-timers-to-tensorboard": ForeignFlag(IGNORED, "(always on)", "train/iteration_time_ms (and tokens/s, "
+                                               "TFLOP/s, MFU) are always in TensorBoard; no per-phase timers"),
+    "--log-batch-size-to-tensorboard": ForeignFlag(IGNORED, "(always on)", "train/global_batch_size is always in "
+                                                   "TensorBoard"),
+    "--log-validation-ppl-to-tensorboard": ForeignFlag(IGNORED, "(always on)", "valid/ppl is always in TensorBoard"),
+    "--log-memory-to-tensorboard": ForeignFlag(IGNORED, "(always on)", "train/memory_gb (and the memory record's "
+                                               "bytes by part) are always in TensorBoard"),
+    "--log-world-size-to-tensorboard": ForeignFlag(REFUSED, DROP, "the world size is constant: metrics.jsonl's "
+                                                   "metadata line and wandb's run config hold the layout"),
+    **_refused("--tensorboard-* --log-*-to-tensorboard", "--tensorboard-dir (the scalars of metrics.jsonl)",
+               "no such TensorBoard option"),
     **_refused("--timing-log-level --timing-log-option", "ms/iter on every log line",
                "no per-phase timers"),
     **_refused("--log-params-norm --log-num-zeros-in-grad", "grad norm on every log line", "not computed"),

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import itertools
 import json
 import os
 import signal
@@ -179,24 +180,36 @@ def _progress(desc: str, unit: str, total: int | None, progress: bool) -> tqdm:
     return tqdm(desc=desc, unit=unit, unit_scale=unit == "B", total=total, disable=not progress)
 
 
+def _started(items: Iterable[Any]) -> Iterator[Any]:
+    """``items`` with the first one already read: the inputs are listed by then, so ``CorpusStats.bytes_total``
+    (their size on disk) can be a bar's total from its first line."""
+    items = iter(items)
+    first = next(items, _NONE)
+    return items if first is _NONE else itertools.chain((first,), items)
+
+
+_NONE = object()
+
+
 def _tracked(items: Iterable[Any], stats: CorpusStats, bar: tqdm) -> Iterator[Any]:
-    """``items``, moving ``bar`` (bytes) to how far the reader has got."""
+    """``items``, moving ``bar`` (bytes) to how far the reader has got, to the end once they are all read."""
     for item in items:
-        if bar.total is None and stats.bytes_total:
-            bar.total = stats.bytes_total
         bar.update(stats.bytes_read - bar.n)
         yield item
+    bar.update(stats.bytes_read - bar.n)  # the last file counts once read to its end, after its last item
 
 
 def _documents(sources: Iterator[SourceFile], stats: CorpusStats, key: str, documents: DocumentSpec,
                language_tag: bool, progress: bool, summary: PreprocessSummary) -> tuple[Iterator[Any], Any, tqdm]:
     """(the documents to tokenize, their length in characters, the progress bar of tokenizing them): texts of
-    files, or repositories, which are all read (and grouped) first, with a bar of their own."""
+    files, or repositories, which are all read (and grouped) first, with a bar of their own. File bars count bytes
+    on disk out of the inputs' total size, the repository bar repositories out of their number."""
+    sources = _started(sources)
     if documents.level == "file":
-        bar = _progress(f"tokenizing {key}", "B", None, progress)
+        bar = _progress(f"tokenizing {key}", "B", stats.bytes_total or None, progress)
         texts = (f.language_header + f.content if language_tag else f.content for f in _tracked(sources, stats, bar))
         return texts, len, bar
-    with _progress(f"reading {key}", "B", None, progress) as reading:
+    with _progress(f"reading {key}", "B", stats.bytes_total or None, progress) as reading:
         repos = group_repositories(_tracked(sources, stats, reading), documents.file_order, documents.seed)
     summary.files += sum(len(r.files) for r in repos)
     return iter(repos), lambda r: r.chars, _progress(f"tokenizing {key}", "repo", len(repos), progress)

@@ -8,6 +8,8 @@
 ``cluster.py``      joining the job (SLURM, torchrun, the DeepSpeed launcher) with bounded waits, and the report
                     of which node each rank runs on
 ``malloc.py``       fixed glibc malloc thresholds for CPU ranks (flat memory)
+``log.py``          rank-aware console logging (``setup_logging``: rank 0 at ``--log-level``, the others warnings
+                    and errors, ``--log-all-ranks``); modules log with ``logging.getLogger(__name__)``
 ==================  ======================================================================================
 
 May import nothing else of codegeex_train: every other package builds on it.

@@ -5,6 +5,7 @@ what it returns, and imports neither evaluation nor generation."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 
 from codegeex_train.data.code_tokens import code_tokens
@@ -23,6 +24,8 @@ from codegeex_train.evaluation.sandbox import UNSAFE, Sandbox, SandboxConfig
 from codegeex_train.evaluation.toolchains import Toolchain, find_tools
 from codegeex_train.generation import FimFormat, Generator, SamplingParams
 from codegeex_train.data.code_tokens import trained_order
+
+logger = logging.getLogger(__name__)
 
 
 def training_sandbox(unsafe_no_sandbox: bool) -> Sandbox:
@@ -45,8 +48,8 @@ def humaneval_problems(languages: Sequence[str], problems: str | None, tasks: in
 
 def warn_if_unsafe(sandbox, what: str, records: str) -> None:
     if sandbox is not None and sandbox.unsafe:
-        print(f"warning: --unsafe-no-sandbox: {what} samples run without isolation (sandbox: {UNSAFE}); the "
-              f"{records} records say so", flush=True)
+        logger.warning(f"--unsafe-no-sandbox: {what} samples run without isolation (sandbox: {UNSAFE}); the "
+                       f"{records} records say so")
 
 
 def humaneval_callback(engine, tokenizer, device, topology: Topology, *, tasks: int, max_new_tokens: int,
@@ -83,8 +86,7 @@ def humaneval_callback(engine, tokenizer, device, topology: Topology, *, tasks: 
                 except ValueError as e:
                     if topology.rank == 0:
                         which = "" if lang == "python" else f" {lang}"
-                        print(f"warning: --eval-humaneval-interval skipped{which} at iteration {iteration}: {e}",
-                              flush=True)
+                        logger.warning(f"--eval-humaneval-interval skipped{which} at iteration {iteration}: {e}")
         finally:
             engine.train()
         return metrics or None
@@ -130,7 +132,7 @@ def infilling_callback(engine, tokenizer, device, topology: Topology, *, benchma
             return evaluate_infilling(chosen, samples, benchmark=benchmark, ks=(1,), sandbox=sandbox).metrics()
         except ValueError as e:
             if topology.rank == 0:
-                print(f"warning: --eval-infilling-interval skipped at iteration {iteration}: {e}", flush=True)
+                logger.warning(f"--eval-infilling-interval skipped at iteration {iteration}: {e}")
             return None
         finally:
             engine.train()

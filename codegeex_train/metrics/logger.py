@@ -11,14 +11,22 @@ from tqdm import tqdm
 from codegeex_train.metrics.records import plain_record
 from codegeex_train.metrics.redaction import redact_secrets, secret_values
 from codegeex_train.metrics.sinks import ConsoleSink, JsonlSink, Sink
+from codegeex_train.metrics.tensorboard_sink import TensorBoardSink
 from codegeex_train.metrics.wandb_sink import WandbSink
 
 if TYPE_CHECKING:
     from codegeex_train.config.arguments import LoggingConfig
 
 
+def tensorboard_exclusions(cfg: LoggingConfig) -> frozenset[str]:
+    """The train-record keys Megatron's --no-log-*-to-tensorboard switches keep out of TensorBoard."""
+    switches = {"lr": cfg.log_learning_rate_to_tensorboard, "loss_scale": cfg.log_loss_scale_to_tensorboard,
+                "grad_norm": cfg.log_gradient_norm_to_tensorboard}
+    return frozenset(key for key, on in switches.items() if not on)
+
+
 class MetricsLogger:
-    """Fans each record out to the console, JSON-lines and wandb sinks, and drives the progress bar.
+    """Fans each record out to the console, JSON-lines, wandb and TensorBoard sinks, and drives the progress bar.
 
     Built on every rank; with ``enabled=False`` every method is a no-op and ``wandb_run_id`` is None (a
     trainer that saves the id from another rank must fetch it from the logging rank)."""
@@ -43,6 +51,10 @@ class MetricsLogger:
                                    directory=cfg.wandb_dir or save_dir or os.getcwd(), run_config=run_config,
                                    run_id=resume_wandb_id, init_timeout=wandb_init_timeout)
             self.sinks.append(self.wandb)
+        if cfg.tensorboard_dir:
+            self.sinks.append(TensorBoardSink(cfg.tensorboard_dir, queue_size=cfg.tensorboard_queue_size,
+                                              log_interval=cfg.tensorboard_log_interval,
+                                              exclude=tensorboard_exclusions(cfg), start_iteration=start_iteration))
         if cfg.progress_bar and sys.stderr.isatty():
             # Only on a terminal: redirected (e.g. `| tee logs/train-*.log`), each carriage-return redraw would
             # land in the log; the console lines above carry the same progress there.

@@ -1,4 +1,5 @@
-"""Where records go: the console and a JSON-lines file (the wandb sink is ``wandb_sink.py``)."""
+"""Where records go: the console and a JSON-lines file (wandb: ``wandb_sink.py``, TensorBoard:
+``tensorboard_sink.py``)."""
 
 from __future__ import annotations
 

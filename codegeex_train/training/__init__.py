@@ -6,8 +6,9 @@
 ``stage.py``        one pipeline stage's forward and backward over its DeepSpeed engine
 ``engine.py``       ``build_engine``: model -> optimizer -> LR schedule -> ``deepspeed.initialize``
 ``optim.py``        AdamW with decay / no-decay groups, and Megatron's LR schedule
-``data.py``         the run's data: preflight checks, splits, per-rank loaders, batches
+``batches.py``      the run's data: preflight checks, splits, per-rank loaders, batches (CP shares too)
 ``exit_conditions.py``  SIGTERM, wall-clock limit, NaN / Inf and fp16 skip limits: when and why to stop
+``profiling.py``    ``--profile``: torch.profiler traces of chosen iterations; ``--record-memory-history``
 ``fault_injection.py``  tests only: bad numbers at chosen iterations (reached through ``Run.step_context``)
 ==================  ======================================================================================
 

@@ -4,9 +4,9 @@ clip, step, LR) -> metrics, eval and checkpoints. PP = 1 runs the same loop with
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, ContextManager, Iterator, Protocol
@@ -38,7 +38,10 @@ from codegeex_train.training.exit_conditions import (
     clear_preempted_marker,
     write_preempted_marker,
 )
+from codegeex_train.training.profiling import Profiling
 from codegeex_train.training.stage import ChunkedEngineStage, EngineStage
+
+logger = logging.getLogger(__name__)
 
 
 class StepProbe(Protocol):
@@ -99,6 +102,7 @@ class Run:
     flops_per_iteration: float
     peak_flops_per_device: float | None = None  # for MFU; None on CPU
     tokenizer_settings: dict | None = None  # what checkpoints record of the tokenizer (checkpoint.files)
+    resolved_config: str | None = None  # the run's flags as a config file (config/config_file.py), in checkpoints
     p2p: P2PCommunicator | None = None  # None: built from the topology and the plan's activation shape
     exit_conditions: ExitConditions | None = None  # SIGTERM / wall-clock stops; None: never
     measurement: Measurement | None = None  # None: nothing counted or measured
@@ -109,6 +113,7 @@ class Run:
     masking: DocumentMasking | None = None  # --reset-position-ids / --reset-attention-mask / --eod-mask-loss
     # Tests only (training/fault_injection.py): iteration -> a context the step runs in. None costs nothing.
     step_context: Callable[[int], ContextManager] | None = None
+    profiling: Profiling | None = None  # --profile / --record-memory-history on this rank; None: neither
 
     def __post_init__(self) -> None:
         if self.p2p is None:
@@ -224,7 +229,7 @@ def _numerical_health(run: Run) -> NumericalHealth:
 
 
 def _health_error(run: Run, iteration: int, problem: str) -> NumericalHealthError:
-    """The one message (printed by rank 0) naming the iteration and the last good checkpoint."""
+    """The one message (logged by rank 0) naming the iteration and the last good checkpoint."""
     t = run.train
     if not t.save:
         last_good = "none (no --save)"
@@ -238,7 +243,7 @@ def _health_error(run: Run, iteration: int, problem: str) -> NumericalHealthErro
     message = redact_secrets(f"{problem}; stopped at iteration {iteration} without saving it. Last good checkpoint: "
                              f"{last_good}")
     if run.topology.rank == 0:
-        print(f"error: {message}", file=sys.stderr, flush=True)
+        logger.error(message)
     return NumericalHealthError(message)
 
 
@@ -281,7 +286,8 @@ def _train(run: Run, state: TrainState, train_loader, valid_loader, test_loader,
         step_start = time.perf_counter()
         measure = run.measurement.memory if state.iteration + 1 == memory_iteration else None
         probe = measure() if measure is not None else None
-        loss = _checked_train_step(run, batches, health, state.iteration + 1, probe)
+        with run.profiling.step(state.iteration + 1) if run.profiling else contextlib.nullcontext():
+            loss = _checked_train_step(run, batches, health, state.iteration + 1, probe)
         if probe is not None:  # the measured figures go to accounting, after the step
             run.logger.log(probe.record(state.iteration + 1))
         for group, n in comm.take().items():
@@ -315,6 +321,8 @@ def _train(run: Run, state: TrainState, train_loader, valid_loader, test_loader,
             step_seconds, interval_iters = 0.0, 0
         else:
             step_seconds += time.perf_counter() - step_start
+        if run.profiling:  # after the timing: setting the profiler up and writing its trace are not the step's
+            run.profiling.after_step(state.iteration)
         if failed:
             raise _health_error(run, state.iteration, health.problem)
         if (valid_loader is not None and t.eval_interval and state.iteration % t.eval_interval == 0
@@ -334,13 +342,14 @@ def _train(run: Run, state: TrainState, train_loader, valid_loader, test_loader,
         if saving:
             state.wandb_run_id = run.logger.wandb_run_id
             save_checkpoint(run.engine, t.save, state, run.model, run.topology, run.tracker,
-                            tokenizer=run.tokenizer_settings, num_chunks=run.plan.num_chunks)
+                            tokenizer=run.tokenizer_settings, num_chunks=run.plan.num_chunks,
+                            resolved_config=run.resolved_config)
         if stop_reason is not None and run.topology.rank == 0:
-            if t.save and exits.stopped_by_signal:  # after `latest` (save_checkpoint), before any print
+            if t.save and exits.stopped_by_signal:  # after `latest` (save_checkpoint), before the line below
                 write_preempted_marker(t.save, checkpoint_tag(state.iteration))
             saved = f"saved {checkpoint_tag(state.iteration)} to {t.save}" if t.save else "no --save: nothing saved"
-            print(f"{stop_reason}: stopping after iteration {state.iteration}; {saved}. Relaunch the same command "
-                  f"(with --load) to resume.", flush=True)
+            logger.info(f"{stop_reason}: stopping after iteration {state.iteration}; {saved}. Relaunch the same "
+                        f"command (with --load) to resume.")
         if last:
             break
     if test_loader is not None and state.iteration == t.train_iters:

@@ -86,6 +86,11 @@ TABLE = {  # flag: (type, which values a run may take)
     "--num-workers": (int, at_least(0)),
     "--log-interval": (int, at_least(1)),
     "--peak-tflops": (float, above(0)),
+    "--tensorboard-log-interval": (int, at_least(1)),
+    "--tensorboard-queue-size": (int, at_least(1)),
+    "--profile-step-start": (int, at_least(0)),
+    "--profile-step-end": (int, at_least(1)),
+    "--profile-ranks": (int, at_least(0)),  # several values; each is checked (which ranks exist: at launch)
 }
 BASE = ["--data-path", "x"]
 PARSER = parser()  # built once (15 ms); what parse_args does per call
@@ -148,6 +153,7 @@ def test_any_value_is_accepted_in_range_or_refused_in_one_line(flag):
         args, error = run([f"{flag}={text}"] if joined else [flag, text])
         if args is not None:
             value = value_of(args, flag)
+            value = value[0] if isinstance(value, list) else value  # a flag of several values, given one
             assert isinstance(value, kind) and math.isfinite(value) and allowed(value), (flag, text, value)
             return
         try:

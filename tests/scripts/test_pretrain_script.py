@@ -1,11 +1,12 @@
 """scripts/pretrain_codegen.sh's layout, launch command and weights source, checked without training.
 
-`DRY_RUN=1` prints the resolved layout and the exact launch command and runs nothing. The GPU branch is checked on
+`DRY_RUN=1` prints the resolved layout and the exact launch command and launches nothing. The GPU branch is checked on
 this CPU machine with a fake `nvidia-smi` first on PATH (the script counts the `GPU N: ...` lines of
 `nvidia-smi -L`); every PATH entry holding a real one is left out, so the CPU cases see none. A fake `deepspeed` and
-a fake `$PYTHON` record any call: a dry run or a refused layout must make none, and must create nothing in its
-(empty, temporary) working directory. One case runs the script for real with the fake launcher, so the command the
-dry run prints is checked against the one that runs.
+a fake `$PYTHON` record any call: a dry run makes one, pretrain.py's own checks (`--dry-run`, with the launch's
+arguments at its ranks; tests/scripts/test_dry_run.py runs them for real), a refused layout none, and neither may
+create anything in its (empty, temporary) working directory. One case runs the script for real with the fake
+launcher, so the command the dry run prints is checked against the one that runs.
 """
 
 import os
@@ -26,8 +27,8 @@ SCRIPT_VARS = ("OUTPUT_DIR", "CONFIG", "DEVICE", "NUM_GPUS", "HOSTFILE", "TP", "
                "OMP_NUM_THREADS", "TORCH_EXTENSIONS_DIR", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "SP",
                "RECOMPUTE", "VPP")
 
-# What the script ran for the default CPU configuration before the launch layout was derived from the device
-# (`git show a4bf96d:scripts/pretrain_codegen.sh` with no variables set): it must stay exactly this.
+# What the script runs for the default CPU configuration: the preset file (configs/default.yaml: the model and the
+# hyper-parameters the script used to spell out, equal values) and the values its layout arithmetic derives.
 CPU_DEFAULT_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
                    "TORCH_EXTENSIONS_DIR": f"{ROOT}/.cache/torch_extensions",
                    "MALLOC_MMAP_THRESHOLD_": "4194304", "MALLOC_TRIM_THRESHOLD_": "4194304"}
@@ -35,16 +36,14 @@ CPU_DEFAULT_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
 
 def cpu_default_argv(output_dir="./outputs/codegen-default"):
     return ["deepspeed", "--num_gpus", "2", f"{ROOT}/codegeex_train/pretrain.py",
-            "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--max-position-embeddings",
-            "256", "--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--activation", "fast_gelu",
+            "--config", f"{ROOT}/configs/default.yaml",
             "--distributed-backend", "gloo", "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size",
             "1", "--seq-length", "256", "--micro-batch-size", "8", "--global-batch-size", "16", "--train-iters",
             "200", "--lr", "1.5e-3", "--min-lr", "0", "--lr-decay-style", "linear", "--lr-warmup-iters", "20",
-            "--weight-decay", "0.1", "--clip-grad", "1.0", "--adam-beta2", "0.95",
-            "--data-path", f"{ROOT}/.cache/data/stdlib_text_document", "--split", "969,30,1",
-            "--deepspeed-config", f"{ROOT}/ds_configs/cpu_fp32_zero2.json", "--zero-stage", "2",
-            "--save", output_dir, "--save-interval", "100", "--eval-interval", "100", "--eval-iters", "4",
-            "--log-interval", "10", "--num-workers", "1", "--exit-signal-handler"]
+            "--data-path", f"{ROOT}/.cache/data/stdlib_text_document",
+            "--deepspeed-config", f"{ROOT}/ds_configs/cpu_fp32_zero2.json",
+            "--save", output_dir, "--save-interval", "100", "--eval-interval", "100",
+            "--log-interval", "10"]
 
 
 def _executable(path: Path, text: str) -> None:
@@ -65,7 +64,11 @@ class Script:
         # The fake launcher records its argv and environment (NUL-separated) and exits 0.
         _executable(self.bin / "deepspeed", '#!/bin/sh\necho deepspeed >> "$FAKE_CALLS"\n'
                                             'printf "%s\\0" "$@" > "$FAKE_CALLS.argv"\nenv -0 > "$FAKE_CALLS.env"\n')
-        _executable(self.bin / "fake-python", '#!/bin/sh\necho "python $*" >> "$FAKE_CALLS"\nexit 1\n')
+        # The fake python passes pretrain.py's dry-run checks (recording argv and WORLD_SIZE) and fails anything else.
+        _executable(self.bin / "fake-python",
+                    '#!/bin/sh\necho "python $*" >> "$FAKE_CALLS"\ncase " $* " in *" --dry-run "*)\n'
+                    '  printf "%s\\0" "$@" > "$FAKE_CALLS.check"; echo "$WORLD_SIZE" > "$FAKE_CALLS.world"; exit 0 ;;\n'
+                    'esac\nexit 1\n')
         # Every PATH entry but those holding a real nvidia-smi (the tools the script uses: awk, grep, date, ...).
         self.system_path = [d for d in os.environ.get("PATH", os.defpath).split(os.pathsep)
                             if d and not (Path(d) / "nvidia-smi").exists()]
@@ -95,9 +98,10 @@ def script(tmp_path) -> Script:
 
 def dry_run(script: Script, *args: str, **variables: str):
     """(layout, environment assignments, argv) of a dry run that must succeed, run nothing and write nothing."""
+    script.calls.unlink(missing_ok=True)  # (an earlier dry run's checks)
     proc = script.run(*args, **variables)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert script.launched() == [], "a dry run ran something"
+    assert len(script.launched()) == 1 and script.launched()[0].startswith("python "), "a dry run ran something"
     assert list(script.cwd.iterdir()) == [], "a dry run created files"
     lines = proc.stdout.splitlines()
     layout_line = next(line for line in lines if line.startswith("codegeex_train: layout "))
@@ -107,7 +111,13 @@ def dry_run(script: Script, *args: str, **variables: str):
     words = shlex.split(lines[-1])
     split = next(i for i, word in enumerate(words) if "=" not in word)
     env = dict(word.split("=", 1) for word in words[:split])
-    return layout, env, words[split:]
+    argv = words[split:]
+    # pretrain.py's checks saw the launch's own arguments, at its ranks (and no data while the corpus is unbuilt).
+    check = (script.tmp / "calls.check").read_bytes().decode().split("\0")[:-1]
+    unbuilt = ["--dry-run-skip-data"] if any("first preprocesses" in line for line in lines) else []
+    assert check == argv[argv.index(f"{ROOT}/codegeex_train/pretrain.py"):] + ["--dry-run", *unbuilt]
+    assert (script.tmp / "calls.world").read_text().strip() == layout["RANKS"]
+    return layout, env, argv
 
 
 def flag(argv: list, name: str) -> str:
@@ -154,11 +164,11 @@ def test_two_nodes_from_a_hostfile_13b_tp8_pp2(script):
     layout, env, argv = dry_run(script, HOSTFILE=str(hostfile), CONFIG="codegeex-13b", TP="8", PP="2")
     assert (layout["CONFIG"], layout["DEVICE"], layout["NODES"], layout["RANKS"], layout["DP"]) == \
         ("codegeex-13b", "gpu", "2", "16", "1")
-    assert layout["GLOBAL_BATCH"] == "1536" and layout["MICRO_BATCH"] == "8" and layout["MICRO_BATCHES"] == "192"
+    assert layout["GLOBAL_BATCH"] == "3072" and layout["MICRO_BATCH"] == "8" and layout["MICRO_BATCHES"] == "384"
     check_batch(layout, argv)
     assert argv[:3] == ["deepspeed", "--hostfile", str(hostfile)] and "--num_gpus" not in argv
     assert flag(argv, "--tensor-model-parallel-size") == "8" and flag(argv, "--pipeline-model-parallel-size") == "2"
-    assert flag(argv, "--num-layers") == "39" and flag(argv, "--distributed-backend") == "nccl" and "--bf16" in argv
+    assert flag(argv, "--config") == f"{ROOT}/configs/codegeex-13b.yaml" and flag(argv, "--distributed-backend") == "nccl" and "--bf16" in argv
     assert flag(argv, "--save") == "./outputs/codegen-codegeex-13b"
     # The other nodes' variables travel in OUTPUT_DIR/.deepspeed_env (written by a real run, not by a dry one).
     assert env == {"DS_ENV_FILE": f"{script.cwd.resolve()}/outputs/codegen-codegeex-13b/.deepspeed_env"}
@@ -267,6 +277,7 @@ def test_dry_run_prints_what_a_real_run_launches(script):
     """The real path, with the fake launcher: the same argv and environment as the dry run printed."""
     out, data = script.tmp / "out", str(script.tmp / "data" / "code_text_document")  # the fake never reads it
     _, env, argv = dry_run(script, OUTPUT_DIR=str(out), DATA_PATH=data)
+    script.calls.unlink()  # (the dry run's checks)
     proc = script.run(dry=False, OUTPUT_DIR=str(out), DATA_PATH=data)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert script.launched()[0] == "deepspeed"  # then plotting (the fake python, which fails: only a warning)
@@ -351,8 +362,11 @@ def test_layout_flags_in_the_arguments_are_the_ones_checked(script):
     (0, {"PP": "2", "VPP": "one"}, (), "VPP=one: not a whole number"),
     (0, {"PP": "2", "VPP": "0"}, (), "VPP=0: must be at least 1"),
     (0, {"INIT_FROM": "/nonexistent/ckpt"}, (), "INIT_FROM=/nonexistent/ckpt: no such directory"),
-    (0, {"HOSTFILE": "/nonexistent/hostfile"}, (), "no such file"),
-    (0, {"HOSTFILE": "{bad_hostfile}"}, (), "not a 'hostname slots=N' line: node2 gpus=8"),
+    (0, {"HOSTFILE": "/nonexistent/hostfile", "DEVICE": "cpu"}, (), "no such file"),
+    (0, {"HOSTFILE": "{bad_hostfile}", "DEVICE": "cpu"}, (), "not a 'hostname slots=N' line: node2 gpus=8"),
+    # no GPU here and no DEVICE: the nodes' device is not guessed from the launching host (a login node)
+    (0, {"HOSTFILE": "{bad_hostfile}"}, (), "this host has no GPU (`nvidia-smi -L` lists none), so every node would "
+                                            "train on its CPU: set DEVICE=gpu (GPU nodes) or DEVICE=cpu"),
 ])
 @pytest.mark.parametrize("dry", [True, False], ids=["dry", "real"])
 def test_bad_layouts_are_refused_before_anything_runs(script, gpus, variables, args, fragment, dry):

@@ -21,6 +21,8 @@ def test_torchrun_two_ranks(tmp_path, tiny_data):
     out = run_process_group(cmd, capture_output=True, text=True, timeout=300, env=env)  # a timeout kills the ranks too
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "iteration        2/       2" in out.stdout
+    # rank 0's start-up lines: logged under the package's logger name although pretrain runs as __main__
+    assert sum(line.startswith("model: ") for line in out.stdout.splitlines()) == 1, out.stdout[-3000:]
     rows = read_metrics(save)
     assert [r["iteration"] for r in rows if r["split"] == "train"] == [1, 2]
     assert (save / "latest").read_text() == "iter_0000002"

@@ -1,7 +1,9 @@
-"""End-to-end pretraining under DeepSpeed ZeRO-2 on real gloo ranks: parity across TP/DP, exact resume,
-crash-safe checkpoints and activation recomputation. Each run calls ``pretrain.main`` in spawned ranks."""
+"""End-to-end pretraining under DeepSpeed ZeRO-2 on real gloo ranks: parity across TP/DP, exact resume (and which
+rank logs what), crash-safe checkpoints and activation recomputation. Each run calls ``pretrain.main`` in spawned
+ranks."""
 
 import os
+import re
 import shutil
 
 import pytest
@@ -56,21 +58,35 @@ def test_clip_grad_really_clips(tmp_path, tiny_data):
     assert unclipped[2]["loss"] != pytest.approx(clipped[2]["loss"], rel=1e-3)
 
 
-def test_resume_is_exact(tmp_path, tiny_data):
+def test_resume_is_exact(tmp_path, tiny_data, capfd):
     # DP 2 so ZeRO-2 partitions the optimizer states that must come back.
     full = train(tmp_path, tiny_data, "full", 2, 1, "--save-interval", "5", iters=10)
+    full_out = capfd.readouterr().out
     resumed = str(tmp_path / "resumed")
     shutil.copytree(full, resumed)
     os.remove(os.path.join(resumed, "metrics.jsonl"))
     write_latest(resumed, "iter_0000005")
     run_distributed(run_pretrain, world_size=2, tp_size=1, deadline_s=600,
-                    argv=tiny_pretrain_args(tiny_data, resumed, 10, "--load", resumed, "--save-interval", "5"))
+                    argv=tiny_pretrain_args(tiny_data, resumed, 10, "--load", resumed, "--save-interval", "5",
+                                            "--log-all-ranks"))
+    resumed_out = capfd.readouterr().out
     a, b = metrics_records(full), metrics_records(resumed)
     assert sorted(b) == list(range(6, 11))
     for it in range(6, 11):
         for key in ("loss", "lr", "grad_norm"):
             assert b[it][key] == pytest.approx(a[it][key], rel=1e-6, abs=1e-9), (it, key)
         assert b[it]["consumed_samples"] == a[it]["consumed_samples"] == 8 * it
+    # Console logging (distributed/log.py): by default rank 0 alone says its info lines, bare; --log-all-ranks has
+    # each rank say them, prefixed. The per-iteration line is the metrics logger's: once, bare, either way.
+    def summary_prefixes(out: str) -> list[str]:  # of the model summary's first line, each time it is said
+        return sorted(m.group(1) or "" for line in out.splitlines()
+                      if (m := re.match(r"(\[rank \d\] )?model: 2 layers", line)))
+
+    assert summary_prefixes(full_out) == [""] and "[rank " not in full_out
+    assert summary_prefixes(resumed_out) == ["[rank 0] ", "[rank 1] "]
+    for out in (full_out, resumed_out):
+        [last] = [line for line in out.splitlines() if "iteration       10/      10" in line]
+        assert last.startswith(" iteration       10/      10 | ")
 
 
 CRASH_EXIT_CODE = 13  # what the injected crash exits with: the harness must see this one, not another failure
