@@ -118,17 +118,26 @@ def _regular(path: Path, what: str) -> None:
         raise CheckpointError(f"--from-hf: {what} {path} is {file_kind(mode)}, not a regular file")
 
 
-def _index_shards(hf: Path, index: Path) -> dict[str, str]:
-    """The weight map of ``index``: parameter name -> a shard file name inside ``hf`` (checked)."""
-    fd = open_regular(index)
+def read_json_object(path: Path, limit: int) -> dict | None:
+    """The JSON object in the regular file ``path``, or None when it is over ``limit`` bytes, not JSON, or JSON but
+    not an object (the caller's error names what the file should have been)."""
+    fd = open_regular(path)
     try:
-        data = os.read(fd, MAX_INDEX_BYTES + 1)
+        data = os.read(fd, limit + 1)
     finally:
         os.close(fd)
+    if len(data) > limit:
+        return None
     try:
-        weight_map = json.loads(data).get("weight_map") if len(data) <= MAX_INDEX_BYTES else None
-    except (ValueError, AttributeError):  # not JSON, or JSON but not an object
-        weight_map = None
+        d = json.loads(data)
+    except ValueError:
+        return None
+    return d if isinstance(d, dict) else None
+
+
+def _index_shards(hf: Path, index: Path) -> dict[str, str]:
+    """The weight map of ``index``: parameter name -> a shard file name inside ``hf`` (checked)."""
+    weight_map = (read_json_object(index, MAX_INDEX_BYTES) or {}).get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f"--from-hf: {index} is not a weights index (a JSON object whose 'weight_map' maps "
                               f"parameter names to shard file names)")

@@ -36,9 +36,9 @@ from codegeex_train.checkpoint.hf_codegeex import (
     is_gpt2_shaped,
     to_hf_tensor,
 )
-from codegeex_train.checkpoint.hf_files import ShardWriter, hf_weight_files, read_hf_tensors
+from codegeex_train.checkpoint.hf_files import ShardWriter, hf_weight_files, read_hf_tensors, read_json_object
 from codegeex_train.checkpoint.hf_gpt2 import LAYER_MAP, config_from_hf_gpt2, hf_gpt2_config, hf_gpt2_to_full
-from codegeex_train.checkpoint.safe_load import open_regular, verify_files
+from codegeex_train.checkpoint.safe_load import verify_files
 from codegeex_train.config.arguments import DataConfig
 from codegeex_train.config.model_config import ModelConfig
 
@@ -142,16 +142,8 @@ def to_hf(load_dir: str, hf_dir: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_B
 
 def _read_config(hf_dir: str) -> dict:
     path = Path(hf_dir) / "config.json"
-    fd = open_regular(path)
-    try:
-        data = os.read(fd, MAX_CONFIG_BYTES + 1)
-    finally:
-        os.close(fd)
-    try:
-        d = json.loads(data) if len(data) <= MAX_CONFIG_BYTES else None
-    except ValueError:
-        d = None
-    if not isinstance(d, dict):
+    d = read_json_object(path, MAX_CONFIG_BYTES)
+    if d is None:
         raise CheckpointError(f"--from-hf: {path} is not a model config (a JSON object)")
     return d
 
