@@ -33,8 +33,11 @@ import torch.distributed as dist
 from codegeex_train.accounting import CommCounter, Workload, comm_bytes_per_step, expected_memory_report
 from codegeex_train.accounting.fit import Host, check_run_memory
 from codegeex_train.accounting.memory import StepMemory
+from codegeex_train.checkpoint.async_save import async_checkpointer
 from codegeex_train.checkpoint.files import tokenizer_settings
 from codegeex_train.checkpoint.resume import Resume, preflight_load, restore
+from codegeex_train.checkpoint.retention import retention_hooks
+from codegeex_train.checkpoint.save_lock import SaveLockError, hold_save_dir
 from codegeex_train.checkpoint.train_state import TrainState
 from codegeex_train.config.arguments import Args, ConfigError, ParallelConfig, parse_args, validate
 from codegeex_train.config.config_file import dump_resolved, write_resolved
@@ -106,6 +109,7 @@ def prepare(argv: list[str] | None) -> Prepared:
     model = args.model.with_vocab(tokenizer.vocab_size)
     plan = validate(args, world_size, model)
     args.logging.check(world_size, args.train.save)  # --profile-* and --record-memory-history
+    args.train.check_retention()
     if args.train.dry_run_skip_data and not args.train.dry_run:
         raise ConfigError("--dry-run-skip-data goes with --dry-run only: a launch always checks its data files")
     if args.train.dry_run_skip_data:
@@ -235,6 +239,11 @@ def main(argv: list[str] | None = None) -> TrainState | None:
         print(dry_run_report(prepared), flush=True)  # the command's result: shown whatever --log-level says
         return None
     args, model_config, plan, ds_config = prepared.args, prepared.model, prepared.plan, prepared.ds_config
+    try:  # one writer per --save: global rank 0 holds its lock until main returns (or the process ends)
+        save_lock = hold_save_dir(args.train.save) if args.train.save and global_rank() == 0 else None
+    except SaveLockError as e:
+        log.error(e)
+        raise SystemExit(2) from None
     owns_process_group = not dist.is_initialized()
     try:
         topology, device = init_distributed(args.parallel, plan.dims)
@@ -306,7 +315,9 @@ def main(argv: list[str] | None = None) -> TrainState | None:
               exit_conditions=exit_conditions,
               measurement=measurement, evaluate_humaneval=humaneval, evaluate_infilling=infilling,
               masking=DocumentMasking.from_config(args.data, prepared.tokenizer.eod),
-              step_context=step_context_from_environment(engine.module), profiling=profiling)
+              step_context=step_context_from_environment(engine.module), profiling=profiling,
+              checkpointer=async_checkpointer() if t.async_save and t.save else None,
+              after_commit=retention_hooks(t.keep_last_n_checkpoints, t.keep_every_n_iterations, topology.rank))
     try:
         state = train(run, state, train_loader, valid_loader, test_loader)
     except TokenIdError as e:  # data changed or damaged after the start-up scan: one line, the launcher ends the rest

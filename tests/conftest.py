@@ -67,3 +67,4 @@ def tiny_data(tmp_path_factory) -> str:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: left out of the fast tier (make test-fast); see tests/conftest.py")
+

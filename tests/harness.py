@@ -262,15 +262,21 @@ def tiny_model_args(num_layers: int = 2, hidden_size: int = 32, num_attention_he
             str(max_position_embeddings)]
 
 
+# Set to 1, every run built by tiny_pretrain_args saves with --async-save: the checkpoint tests, run once so, check
+# that background saves are interchangeable with sync ones (docs/checkpoints.md).
+TEST_ASYNC_SAVE_ENV = "CODEGEEX_TEST_ASYNC_SAVE"
+
+
 def tiny_pretrain_args(data, save, iters: int = 20, *extra: str) -> list[str]:
     """``pretrain.main``'s flags for a short run of the tiny model on the indexed dataset ``data``, saving to
     ``save``: global batch 8 in micro-batches of 2, no dropout, a log record every iteration, seed 7; ``extra``
-    flags come last (and win)."""
+    flags come last (and win). ``TEST_ASYNC_SAVE_ENV``=1 adds --async-save."""
+    background = ["--async-save"] if os.environ.get(TEST_ASYNC_SAVE_ENV) == "1" else []
     return [*tiny_model_args(), "--micro-batch-size", "2", "--global-batch-size", "8",
             "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "2e-3", "--lr-warmup-iters", "2",
             "--train-iters", str(iters), "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1",
             "--data-path", data, "--split", "90,9,1", "--seed", "7", "--save", save, "--no-progress-bar",
-            "--num-workers", "0", *extra]
+            "--num-workers", "0", *background, *extra]
 
 
 def run_pretrain(topology, argv: list[str]) -> None:

@@ -47,6 +47,7 @@ from codegeex_train.checkpoint.convert import Layout, reshard
 from codegeex_train.checkpoint.files import TOKENIZER_FIELDS, CheckpointError
 from codegeex_train.checkpoint.hf_files import hf_weight_files, parse_size
 from codegeex_train.checkpoint.hf_format import DEFAULT_MAX_SHARD_BYTES, from_hf, to_hf
+from codegeex_train.checkpoint.retention import reading_checkpoint
 from codegeex_train.checkpoint.universal import to_universal
 from codegeex_train.config.arguments import DataConfig
 
@@ -159,14 +160,16 @@ def main(argv: list[str] | None = None) -> None:
             from_hf(args.from_hf, args.save, layout_of(args), args.make_vocab_size_divisible_by)
         elif args.from_codegeex:
             from_codegeex(args.from_codegeex, args.save, layout_of(args), args.num_attention_heads)
-        elif args.to_codegeex:
-            to_codegeex(args.load, args.to_codegeex)
-        elif args.to_hf:
-            detail = f": {to_hf(args.load, args.to_hf, args.max_shard_bytes, args.tokenizer_flags)}"
-        elif args.to_universal:
-            to_universal(args.load, args.to_universal)
-        else:
-            reshard(args.load, args.save, layout_of(args))
+        else:  # reading --load: a run saving there with --keep-last-n-checkpoints keeps its tag until done
+            with reading_checkpoint(args.load):
+                if args.to_codegeex:
+                    to_codegeex(args.load, args.to_codegeex)
+                elif args.to_hf:
+                    detail = f": {to_hf(args.load, args.to_hf, args.max_shard_bytes, args.tokenizer_flags)}"
+                elif args.to_universal:
+                    to_universal(args.load, args.to_universal)
+                else:
+                    reshard(args.load, args.save, layout_of(args))
     # Our errors for bad input (ModelConfigError, PipelineSplitError and the converters' are ValueErrors);
     # OSError: unreadable or unwritable paths, and transformers' report of an incomplete HF directory.
     except (CheckpointError, ValueError, OSError) as e:

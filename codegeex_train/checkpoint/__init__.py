@@ -15,8 +15,11 @@
 ``codegeex_release.py``  the released CodeGeeX weights file <-> our checkpoint (the adapter)
 ``codegeex_weights.py``  the released CodeGeeX checkpoint layout <-> our full state dict (the name mapping)
 ``train_state.py``  the counters and RNG streams a resume needs beyond model and optimizer
-``training.py``     training checkpoints through DeepSpeed (model, ZeRO partitions, train state); its checkpoint
-                    engine (weights-only loads, failed saves reported)
+``deepspeed_checkpoint.py``  training checkpoints through DeepSpeed (model, ZeRO partitions, train state); its
+                    checkpoint engine (weights-only loads, failed saves reported); the commit that moves ``latest``
+``async_save.py``   --async-save: host snapshots written by a background thread per rank, committed at a step boundary
+``retention.py``    --keep-last-n-checkpoints / --keep-every-n-iterations after each commit; readers hold what they read
+``save_lock.py``    one run per --save directory (a kernel lock the holder's death releases)
 ``universal.py``    the layout-free training checkpoint: resume at any TP / PP / DP
 ``resume.py``       ``--load`` checked before any process group (``Resume``), then ``restore()`` once
 ==================  ==========================================================================================

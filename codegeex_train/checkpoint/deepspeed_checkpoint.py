@@ -16,11 +16,14 @@ replaces it (``training/engine.py`` does, after ``deepspeed.initialize``) by :cl
   ranks would wait in its barriers). ``save_checkpoint`` then gathers every rank's outcome: when any failed, rank 0
   removes the partial tag directory, leaves ``latest`` as it was and prints one ``error:`` line naming the
   directory, the cause and the last complete checkpoint; every rank raises :class:`CheckpointSaveError`.
+  Every file is fsynced before ``latest`` may name it. Under ``--async-save`` ``save`` hands the state dict to the
+  ``background`` writer instead (``checkpoint/async_save.py``) and ``commit_save`` runs later, at a step boundary.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 import errno
 import logging
 import os
@@ -86,6 +89,7 @@ class SafeCheckpointEngine:
     def __init__(self, inner):
         self.inner = inner
         self.failure: tuple[str, str] | None = None  # (what could not be written, the cause), on this rank
+        self.background = None  # --async-save: the save's BackgroundWriter (checkpoint/async_save.py) while it runs
 
     def __getattr__(self, name):  # create, commit, is_data_parallel_writer, ...: the wrapped engine's
         return getattr(self.inner, name)
@@ -112,18 +116,31 @@ class SafeCheckpointEngine:
     def save(self, state_dict, path: str):
         if self.failure is not None:  # this rank already failed: write nothing more
             return
+        if self.background is not None:  # a host copy now, the write on the writer thread
+            self.background.submit(state_dict, path, self.write)
+            return
+        failure = self.write(state_dict, path)
+        if failure is not None and self.failure is None:
+            self.failure = failure
+
+    def write(self, state_dict, path: str) -> tuple[str, str] | None:
+        """``state_dict`` to ``path``, synced to disk; on failure the partial file is removed and (path, cause)
+        returned."""
         try:
             if type(self.inner).__name__ == "TorchCheckpointEngine":  # its save, through a file we hold
                 with self._open(path) as f:  # write errors arrive as OSError with the system's reason
                     torch.save(state_dict, f, _use_new_zipfile_serialization=self.inner.zipfile_serialization)
+                    f.flush()
+                    os.fsync(f.fileno())
             else:
                 self.inner.save(state_dict, path)
         except (OSError, RuntimeError) as e:
-            self._fail(path, e)
             try:
                 os.unlink(path)
             except OSError:
                 pass
+            return str(path), _cause(e, str(path))
+        return None
 
     def copy_recovery_scripts(self, original, save_path) -> None:
         """DeepSpeed's ``_copy_recovery_script`` (rank 0 copies zero_to_fp32.py next to the files), failures
@@ -170,6 +187,15 @@ def _agree(failure):
     return ranks[0], shared[0], len(ranks)
 
 
+def all_ranks(flag: bool) -> bool:
+    """Whether ``flag`` holds on every rank. Collective: one all-reduce (MIN) of one integer."""
+    device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl"
+              else torch.device("cpu"))
+    value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value.item())
+
+
 def _last_complete(save_dir: str) -> str:
     try:
         return (f"the last complete checkpoint is {read_latest(save_dir)} in {save_dir} (relaunch with --load "
@@ -204,13 +230,18 @@ def _fail_save(save_dir: str, tag: str, rank: int, failure: tuple[str, str], fai
 
 def save_checkpoint(engine, save_dir: str, state: TrainState, config: ModelConfig, topology: Topology,
                     tracker: RNGStatesTracker, *, tokenizer: dict | None = None, num_chunks: int = 1,
-                    resolved_config: str | None = None) -> str:
+                    resolved_config: str | None = None, background=None,
+                    after_commit: Sequence[Callable[[str, str], None]] = ()) -> str:
     """``tokenizer``: the run's tokenizer settings (``files.tokenizer_settings``), recorded for the tools;
     ``resolved_config``: the run's flags as a config file (``config_file.dump_resolved``), recorded as
     ``resolved_config`` in the metadata (``--config`` of it reproduces the run).
 
     A failed write on any rank ends the save on every rank with :class:`CheckpointSaveError` (one ``error:``
-    line from rank 0, the partial tag directory removed, ``latest`` unchanged)."""
+    line from rank 0, the partial tag directory removed, ``latest`` unchanged).
+
+    ``background`` (--async-save: an idle ``async_save.BackgroundWriter``): every file is snapshotted to host memory
+    and queued, and this returns before anything is written; ``AsyncCheckpointer.commit`` commits it later
+    (``commit_save``). ``after_commit``: see ``commit_save``."""
     tag = checkpoint_tag(state.iteration)
     rng = rng_state(tracker)
     if topology.cp_size > 1:
@@ -228,8 +259,26 @@ def save_checkpoint(engine, save_dir: str, state: TrainState, config: ModelConfi
         meta["resolved_config"] = resolved_config
     safe = install_checkpoint_engine(engine)
     safe.take_failure()
-    engine.save_checkpoint(save_dir, tag=tag, client_state={META_KEY: meta}, save_latest=False)
-    outcome = _agree(safe.take_failure())  # every rank's files are written, or why not
+    if background is not None:
+        background.begin(save_dir, tag)
+    safe.background = background
+    try:
+        engine.save_checkpoint(save_dir, tag=tag, client_state={META_KEY: meta}, save_latest=False)
+    finally:
+        safe.background = None
+    if background is not None:
+        background.seal(safe.take_failure())  # written behind training; committed at a later step boundary
+        return tag
+    commit_save(save_dir, tag, safe.take_failure(), after_commit)
+    return tag
+
+
+def commit_save(save_dir: str, tag: str, failure: tuple[str, str] | None,
+                after_commit: Sequence[Callable[[str, str], None]] = ()) -> None:
+    """Every rank, once its files of ``save_dir/tag`` are written and synced (``failure``: why not, on this rank):
+    ``latest`` names the tag, or every rank raises CheckpointSaveError (see ``_fail_save``). Then each
+    ``after_commit(save_dir, tag)`` runs on every rank (retention, the save-directory lock's bookkeeping)."""
+    outcome = _agree(failure)  # every rank's files are written, or why not
     if outcome is not None:
         _fail_save(save_dir, tag, *outcome)
     failure = None
@@ -241,7 +290,9 @@ def save_checkpoint(engine, save_dir: str, state: TrainState, config: ModelConfi
     outcome = _agree(failure)  # also the barrier: `latest` names the tag before any rank goes on
     if outcome is not None:
         _fail_save(save_dir, tag, *outcome)
-    return tag
+    # --- after_commit: `latest` names `tag` on disk and every rank knows it. Hooks run here, in order. ---
+    for hook in after_commit:
+        hook(save_dir, tag)
 
 
 def _check_train_state(path, state: object) -> None:

@@ -132,6 +132,12 @@ class TrainConfig:
                                "the other random streams start from --seed")
     save_interval: int | None = option(None, "save every N iterations (and always at the end when --save; 0: only "
                                         "at the end)", bounds=at_least(0))
+    keep_last_n_checkpoints: int | None = option(None, "keep the N newest complete checkpoints in --save: after each "
+                                                 "save the older ones are removed, never the one 'latest' names nor "
+                                                 "one a tool is reading (default: keep all)", bounds=at_least(1))
+    keep_every_n_iterations: int | None = option(None, "with --keep-last-n-checkpoints, also keep for good every "
+                                                 "checkpoint whose iteration is a multiple of M (a multiple of "
+                                                 "--save-interval)", bounds=at_least(1))
     eval_interval: int = option(1000, "evaluate on the validation split every N iterations (0: never)",
                                 bounds=at_least(0))
     eval_iters: int = option(10, "validation batches per evaluation (0: no validation or test)", bounds=at_least(0))
@@ -169,8 +175,15 @@ class TrainConfig:
     zero_stage: int = option(2, "DeepSpeed ZeRO stage", choices=(0, 1, 2))
     exit_interval: int | None = option(None, "stop after this many iterations of this run (for tests)",
                                         bounds=at_least(1))
+    async_save: bool = option(False, "with --save: each rank copies its checkpoint to host memory (pinned on GPU) and "
+                              "training goes on while a background thread writes the same files; 'latest' moves at "
+                              "a later step boundary, once every rank's files are synced. At most one save in "
+                              "flight; the end of training waits for it. A failed write stops the run at a step "
+                              "boundary (exit 1, one error line, 'latest' unchanged). Costs host memory of one "
+                              "checkpoint share per rank")
     exit_signal_handler: bool = option(False, "on SIGTERM (preemption) finish the iteration, save a checkpoint "
-                                       "(with --save) and exit 0; all ranks stop at the same iteration")
+                                       "(with --save; --async-save: a save being written completes instead) and exit "
+                                       "0; all ranks stop at the same iteration")
     exit_duration_in_mins: float | None = option(None, "stop the same way once this run has taken this many "
                                                  "minutes (set it below the job's wall-clock limit)",
                                                  bounds=above(0))
@@ -191,6 +204,24 @@ class TrainConfig:
                            "host without a GPU skip the GPU memory check, saying so")
     dry_run_skip_data: bool = option(False, "with --dry-run: skip the data-file check, for data that is built "
                                      "before the launch (scripts/pretrain_codegen.sh's default corpus)")
+
+    def check_retention(self) -> None:
+        """--async-save, --keep-last-n-checkpoints and --keep-every-n-iterations against --save and --save-interval."""
+        if self.async_save and not self.save:
+            raise ConfigError("--async-save writes --save's checkpoints in the background, and there is no --save: "
+                              "give --save DIR, or drop it")
+        if self.keep_last_n_checkpoints is not None and not self.save:
+            raise ConfigError(f"--keep-last-n-checkpoints {self.keep_last_n_checkpoints} without --save: it keeps "
+                              f"the newest checkpoints of --save; give --save DIR, or drop it")
+        every, interval = self.keep_every_n_iterations, self.save_interval
+        if every is not None and self.keep_last_n_checkpoints is None:
+            raise ConfigError(f"--keep-every-n-iterations {every} goes with --keep-last-n-checkpoints N: without it "
+                              f"no checkpoint is removed, so every one is kept already")
+        if every is not None and interval and every % interval:
+            common = every * interval // math.gcd(every, interval)
+            raise ConfigError(f"--keep-every-n-iterations {every} is not a multiple of --save-interval {interval}: "
+                              f"a save lands on one of its multiples only every {common} iterations; use a multiple "
+                              f"of {interval}")
 
 
 @dataclass

@@ -84,6 +84,8 @@ PRETRAIN: dict[str, ForeignFlag] = {
     **_same("--tokenizer-type", "HFTokenizer, GPT2BPETokenizer, SentencePieceTokenizer, CodeGeeXTokenizer; "
                                 "default: the shipped tokenizer"),
     **_same("--zero-stage", "Megatron-DeepSpeed's; 0, 1 or 2, default 2"),
+    **_same("--async-save", "writes DeepSpeed's own checkpoint files in the background (Megatron: needs "
+                            "--ckpt-format torch_dist)"),
     # --- accepted under another name ---
     "--recompute-activations": ForeignFlag(ALIAS, "--checkpoint-activations", "full recompute of every layer"),
     "--deepspeed_config": ForeignFlag(ALIAS, "--deepspeed-config", "DeepSpeed's spelling"),

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from codegeex_train.checkpoint.files import CheckpointError, load_model_checkpoint, read_checkpoint_meta
+from codegeex_train.checkpoint.retention import reading_checkpoint
 from codegeex_train.config.model_config import ModelConfig
 from codegeex_train.data.tokenizer import Tokenizer, WhitespaceEncodingTokenizer, check_tokenizer_fits_vocab
 from codegeex_train.generation.infill import FimFormat
@@ -108,7 +109,8 @@ class Generator:
                 warnings.warn(f"the tokenizer has {tokenizer.vocab_size} ids but checkpoint {load_dir} was trained "
                               f"with {config.vocab_size}: pass the tokenizer flags training used", stacklevel=2)
         model = CodeGeeXModel(config, tp_group, rng_tracker, dtype=dtype, device=device)
-        load_model_checkpoint(load_dir, model)
+        with reading_checkpoint(load_dir):  # a run saving there with --keep-last-n-checkpoints keeps it meanwhile
+            load_model_checkpoint(load_dir, model)
         return cls(model, tokenizer, device)
 
     # --- text ---------------------------------------------------------------------------------------------

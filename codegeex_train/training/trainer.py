@@ -14,7 +14,8 @@ from typing import Callable, ContextManager, Iterator, Protocol
 import torch
 import torch.distributed as dist
 
-from codegeex_train.checkpoint.files import CheckpointError, checkpoint_tag, read_latest
+from codegeex_train.checkpoint.async_save import AsyncCheckpointer
+from codegeex_train.checkpoint.files import CheckpointError, read_latest
 from codegeex_train.checkpoint.train_state import TrainState
 from codegeex_train.checkpoint.deepspeed_checkpoint import save_checkpoint
 from codegeex_train.config.arguments import LoggingConfig, TrainConfig
@@ -114,6 +115,9 @@ class Run:
     # Tests only (training/fault_injection.py): iteration -> a context the step runs in. None costs nothing.
     step_context: Callable[[int], ContextManager] | None = None
     profiling: Profiling | None = None  # --profile / --record-memory-history on this rank; None: neither
+    checkpointer: AsyncCheckpointer | None = None  # --async-save; None: every save is written before training goes on
+    # (save_dir, tag) -> None, run on every rank after each checkpoint becomes `latest` (deepspeed_checkpoint.commit_save)
+    after_commit: tuple[Callable[[str, str], None], ...] = ()
 
     def __post_init__(self) -> None:
         if self.p2p is None:
@@ -262,6 +266,28 @@ def _checked_train_step(run: Run, batches, health: NumericalHealth, iteration: i
                             f"(fp16.min_loss_scale): the gradients overflow at every loss scale") from None
 
 
+def _save(run: Run, state: TrainState, saving: bool, last: bool, *, preempted: bool) -> str | None:
+    """The step boundary's checkpoint work on every rank alike; returns the tag that became `latest` here (None:
+    none). Sync: save when ``saving``. --async-save: first commit the save in flight if every rank has written it
+    (``last``: wait for it); then snapshot a new one when ``saving`` (waiting for one still in flight: at most one)
+    and, at the last iteration, wait for it too. Stopped by a signal with a save in flight, that save is the one
+    that completes and becomes `latest`: the kill window is spent on one write, not two."""
+    t, saver = run.train, run.checkpointer
+    committed = saver.commit(wait=last, after_commit=run.after_commit) if saver else None
+    if not saving or (preempted and committed is not None):
+        return committed
+    state.wandb_run_id = run.logger.wandb_run_id
+    if saver:
+        saver.commit(wait=True, after_commit=run.after_commit)
+    tag = save_checkpoint(run.engine, t.save, state, run.model, run.topology, run.tracker,
+                          tokenizer=run.tokenizer_settings, num_chunks=run.plan.num_chunks,
+                          resolved_config=run.resolved_config, background=saver and saver.writer,
+                          after_commit=run.after_commit)
+    if saver and last:
+        saver.commit(wait=True, after_commit=run.after_commit)
+    return tag if saver is None or last else committed
+
+
 def train(run: Run, state: TrainState, train_loader, valid_loader=None, test_loader=None) -> TrainState:
     with run.measurement.comm or _NoCount() as comm:
         return _train(run, state, train_loader, valid_loader, test_loader, comm)
@@ -324,6 +350,8 @@ def _train(run: Run, state: TrainState, train_loader, valid_loader, test_loader,
         if run.profiling:  # after the timing: setting the profiler up and writing its trace are not the step's
             run.profiling.after_step(state.iteration)
         if failed:
+            if run.checkpointer:  # a save in flight is of an earlier, checked iteration: it becomes `latest` first
+                run.checkpointer.commit(wait=True, after_commit=run.after_commit)
             raise _health_error(run, state.iteration, health.problem)
         if (valid_loader is not None and t.eval_interval and state.iteration % t.eval_interval == 0
                 and stop_reason is None):  # preempted: the grace period is for the checkpoint
@@ -339,15 +367,11 @@ def _train(run: Run, state: TrainState, train_loader, valid_loader, test_loader,
             if metrics is not None:
                 run.logger.log({"iteration": state.iteration, "split": "infilling", **metrics})
         saving = t.save and (last or (t.save_interval and state.iteration % t.save_interval == 0))
-        if saving:
-            state.wandb_run_id = run.logger.wandb_run_id
-            save_checkpoint(run.engine, t.save, state, run.model, run.topology, run.tracker,
-                            tokenizer=run.tokenizer_settings, num_chunks=run.plan.num_chunks,
-                            resolved_config=run.resolved_config)
+        saved_tag = _save(run, state, saving, last, preempted=exits.stopped_by_signal) if t.save else None
         if stop_reason is not None and run.topology.rank == 0:
             if t.save and exits.stopped_by_signal:  # after `latest` (save_checkpoint), before the line below
-                write_preempted_marker(t.save, checkpoint_tag(state.iteration))
-            saved = f"saved {checkpoint_tag(state.iteration)} to {t.save}" if t.save else "no --save: nothing saved"
+                write_preempted_marker(t.save, saved_tag)
+            saved = f"saved {saved_tag} to {t.save}" if t.save else "no --save: nothing saved"
             logger.info(f"{stop_reason}: stopping after iteration {state.iteration}; {saved}. Relaunch the same "
                         f"command (with --load) to resume.")
         if last:

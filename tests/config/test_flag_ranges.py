@@ -57,6 +57,8 @@ TABLE = {  # flag: (type, which values a run may take)
     "--seed": (int, lambda x: 0 <= x < 2**32),  # numpy's RandomState
     "--recompute-num-layers": (int, at_least(1)),
     "--save-interval": (int, at_least(0)),  # 0: only at the end (Megatron's falsy interval)
+    "--keep-last-n-checkpoints": (int, at_least(1)),
+    "--keep-every-n-iterations": (int, at_least(1)),
     "--eval-interval": (int, at_least(0)),
     "--eval-iters": (int, at_least(0)),
     "--eval-humaneval-interval": (int, at_least(1)),
