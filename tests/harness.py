@@ -76,8 +76,11 @@ def numpy_results(value: Any) -> Any:
 # what is pickled over: the function, its arguments, sys.path, the working directory, and (below) the environment
 # and the caller's stdout / stderr as they are now (pytest's capfd replaces them per test; the server keeps the
 # ones it started with).
-# torch._dynamo and symbolic_shapes: imported lazily in every rank's first training step (3.5-4 s of CPU each).
-_PRELOAD = ["torch", "deepspeed", "codegeex_train.pretrain", "torch._dynamo", "torch.fx.experimental.symbolic_shapes"]
+# torch._dynamo and symbolic_shapes: imported lazily in every rank's first training step (3.5-4 s of CPU each); the
+# muon module: DeepSpeed's optimizer sanity check imports it in every rank's first engine, and its import runs
+# torch.compile (~3.4 s a rank). (The forkserver skips a module that does not import, e.g. another DeepSpeed.)
+_PRELOAD = ["torch", "deepspeed", "codegeex_train.pretrain", "torch._dynamo", "torch.fx.experimental.symbolic_shapes",
+            "deepspeed.runtime.zero.muon.muon_optimizer"]
 
 
 class _Stdio:

@@ -1,18 +1,20 @@
 """benchmarks/recompute.py end to end at a tiny shape (1 layer + the top query layer, hidden 64, 4 heads, seq 128,
 dropout 0.1 so that CPU SDPA keeps its s x s probabilities): every row of the table is printed and written, and the
-memory the recompute modes and sequence parallelism exist for is really saved. Timings are never asserted."""
+memory the recompute modes and sequence parallelism exist for is really saved. Timings are never asserted.
+The script's main() runs in this process (its ranks come from this process's warm forkserver, as every distributed
+test's do): the command line it parses and everything it prints and writes, without a second interpreter importing
+torch and DeepSpeed again."""
 
+import contextlib
+import importlib
+import io
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.slow  # every test in this file is in the slow tier (tests/conftest.py)
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "recompute.py"
 # Written out here (not imported from the script): a row that vanishes from the script fails this test.
 RECOMPUTES = ("none", "selective core_attn", "selective all three", "full")
 EXPECTED_ROWS = [(name, sp) for sp in (False, True) for name in RECOMPUTES]
@@ -20,13 +22,15 @@ B, S, H, FFN, TP, MLPS = 2, 128, 64, 256, 2, 2  # the MLPs: the layer's and the 
 
 
 def run_benchmark(out: Path):
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--num-layers", "1", "--hidden-size", str(H),
-                           "--num-attention-heads", "4", "--seq-length", str(S), "--micro-batch-size", str(B),
-                           "--warmup-iters", "0", "--iters", "1", "--json", str(out)],
-                          check=False, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0 and out.is_file(), proc.stdout[-4000:] + proc.stderr[-4000:]
+    """``python benchmarks/recompute.py ... --json OUT``, in this process: (stdout, the JSON, its rows by key)."""
+    script = importlib.import_module("benchmarks.recompute")  # by name: its ranks unpickle bench_rank from it
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        script.main(["--num-layers", "1", "--hidden-size", str(H), "--num-attention-heads", "4", "--seq-length",
+                     str(S), "--micro-batch-size", str(B), "--warmup-iters", "0", "--iters", "1", "--json", str(out)])
+    assert out.is_file(), stdout.getvalue()[-4000:]
     report = json.loads(out.read_text())
-    return proc.stdout, report, {(r["recompute"], r["sp"]): r for r in report["rows"]}
+    return stdout.getvalue(), report, {(r["recompute"], r["sp"]): r for r in report["rows"]}
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """What clusters do to long runs, through `bash scripts/pretrain_codegen.sh` as a user runs it (at PP 2, with the
 script's one DataLoader worker per rank): a rank killed (relaunch resumes), preemption by SIGTERM to one rank or to
-every process of the job (checkpoint, exit 0, resume), a wall-clock limit, a node that never joins. Each comparison
-is with one uninterrupted run of the same command: final weights bitwise equal."""
+every process of the job (checkpoint, exit 0, resume), a wall-clock limit, a node that never joins. The kill and the
+two preemptions strike one run in turn, in one directory; it is compared with one uninterrupted run of the same
+command: every loss and the final weights bitwise equal."""
 
 import os
 import re
@@ -32,7 +33,7 @@ from tests.harness import free_port
 
 pytestmark = pytest.mark.slow  # every test in this file is in the slow tier (tests/conftest.py)
 
-ITERS = 40
+ITERS = 30
 SAVE_EVERY = ["--save-interval", "5"]
 PP2 = {"PP": "2"}  # where preemption was seen to fail: both ranks read data, each through its DataLoader worker
 
@@ -111,38 +112,6 @@ def test_loader_workers_leave_stop_signals_to_their_rank(tmp_path):
         stop_session(rank)
 
 
-def test_killed_rank_brings_job_down_and_relaunch_resumes(tmp_path, tiny_data, uninterrupted):
-    out = tmp_path / "killed"
-    env = script_env(out, tiny_data, train_iters=ITERS, **PP2)
-    proc = start_script(env, *SAVE_EVERY)
-    try:
-        saved = wait_for_latest(out, 10, proc)
-        pids = rank_pids(str(out))
-        assert sorted(pids) == [0, 1], pids
-        os.kill(pids[1], signal.SIGKILL)
-        log = finish(proc, timeout=120)
-    finally:
-        stop_session(proc)
-    assert proc.returncode != 0, log[-3000:]
-    # Shown: the killed rank's signal, or (when the launcher sees the survivor exit first) gloo's error naming it.
-    assert "return code = -9" in log or "This is typically caused by a remote worker crashing" in log, log[-3000:]
-    assert rank_pids(str(out)) == {}, "ranks left running after the job went down"
-    killed_at = int((out / "latest").read_text().removeprefix("iter_"))
-    assert saved <= killed_at < ITERS
-
-    # The same command again: it finds OUTPUT_DIR/latest and resumes from there.
-    env["LAUNCHER_ARGS"] = f"--master_addr 127.0.0.1 --master_port {free_port()}"
-    proc = start_script(env, *SAVE_EVERY)
-    log = finish(proc)
-    assert proc.returncode == 0, log[-4000:]
-    assert first_logged_iteration(log) == killed_at + 1
-    resumed = train_losses(out)  # the relaunch's lines come last and win
-    full = train_losses(uninterrupted)
-    for it in range(killed_at + 1, ITERS + 1):
-        assert resumed[it] == full[it], it
-    assert_same_final_weights(uninterrupted, out)
-
-
 def assert_stopped_by_signal(out, proc, log: str) -> int:
     """The job stopped on SIGTERM at its current iteration, saved it whole, and reported success; returns it."""
     assert proc.returncode == 0, log[-3000:]
@@ -160,22 +129,44 @@ def assert_stopped_by_signal(out, proc, log: str) -> int:
     return stopped_at
 
 
-def test_sigterm_to_one_rank_or_to_every_process_saves_exits_zero_and_resumes(tmp_path, tiny_data, uninterrupted):
-    """Preemption as it comes: (a) SIGTERM to one rank only (the ranks agree where to stop); (b) SIGTERM to every
-    process of the job, as SLURM signals a job step (here `kill -- -PGID` of the script's session: the shell, tee,
-    the `deepspeed` runner, the per-node launcher, the ranks and their DataLoader workers). Either way: the current
-    iteration is saved, every rank exits 0, the script exits 0, and a relaunch goes on exactly as if uninterrupted.
-    One directory, three launches: (a) stops the first, (b) the relaunch, the third runs to the end."""
-    out = tmp_path / "preempted"
+def test_killed_rank_then_sigterm_to_one_rank_or_to_every_process_each_relaunch_resumes(tmp_path, tiny_data,
+                                                                                     uninterrupted):
+    """One directory, four launches of the same command. (1) kill -9 of one rank: the job goes down, no rank is left
+    and the relaunch resumes from the last interval checkpoint. Preemption as it comes: (2) SIGTERM to one rank only
+    (the ranks agree where to stop); (3) SIGTERM to every process of the job, as SLURM signals a job step (here
+    `kill -- -PGID` of the script's session: the shell, tee, the `deepspeed` runner, the per-node launcher, the ranks
+    and their DataLoader workers). Either way: the current iteration is saved, every rank exits 0, the script exits
+    0. (4) runs to the end. Each relaunch goes on exactly as if uninterrupted: every loss and the final weights."""
+    out = tmp_path / "struck"
     # The launcher, once signalled, collects the ranks' exit codes without printing them: make it print them.
     env = script_env(out, tiny_data, train_iters=ITERS, PYTHONPATH=reaped_exit_codes_reporter(tmp_path / "site"),
                      **PP2)
-    stops, logs = [], []
+
+    # (1) kill -9, past the first interval checkpoint.
+    proc = start_script(env, *SAVE_EVERY)
+    try:
+        saved = wait_for_latest(out, 5, proc)
+        pids = rank_pids(str(out))
+        assert sorted(pids) == [0, 1], pids
+        os.kill(pids[1], signal.SIGKILL)
+        log = finish(proc, timeout=120)
+    finally:
+        stop_session(proc)
+    assert proc.returncode != 0, log[-3000:]
+    # Shown: the killed rank's signal, or (when the launcher sees the survivor exit first) gloo's error naming it.
+    assert "return code = -9" in log or "This is typically caused by a remote worker crashing" in log, log[-3000:]
+    assert rank_pids(str(out)) == {}, "ranks left running after the job went down"
+    killed_at = int((out / "latest").read_text().removeprefix("iter_"))
+    assert saved <= killed_at < ITERS
+
+    # (2), (3): the same command again finds OUTPUT_DIR/latest and resumes from there; SIGTERM mid-run, past an
+    # interval checkpoint of this launch (`latest` must move on to the stop).
+    stops, logs = [killed_at], []
     for whole_job in (False, True):
+        env["LAUNCHER_ARGS"] = f"--master_addr 127.0.0.1 --master_port {free_port()}"
         proc = start_script(env, *SAVE_EVERY)
         try:
-            # mid-run, past an interval checkpoint (and this launch's resume): `latest` must move on to the stop
-            wait_for_latest(out, (stops[-1] // 5 + 1) * 5 if stops else 5, proc)
+            wait_for_latest(out, (stops[-1] // 5 + 1) * 5, proc)
             pids = rank_pids(str(out))
             assert sorted(pids) == [0, 1], pids
             signalled = time.monotonic()
@@ -197,17 +188,19 @@ def test_sigterm_to_one_rank_or_to_every_process_saves_exits_zero_and_resumes(tm
         else:  # the launcher saw both ranks exit 0 itself
             for pid in pids.values():
                 assert f"Process {pid} exits successfully." in log, log[-3000:]
-        env["LAUNCHER_ARGS"] = f"--master_addr 127.0.0.1 --master_port {free_port()}"
 
+    # (4) to the end.
+    env["LAUNCHER_ARGS"] = f"--master_addr 127.0.0.1 --master_port {free_port()}"
     proc = start_script(env, *SAVE_EVERY)
     log = finish(proc)
     assert proc.returncode == 0, log[-4000:]
+    logs.append(log)
     assert not (out / "preempted").exists()  # the run that went on from the stop removed the ranks' word for it
-    # Each relaunch went on from the stop, and every loss equals the uninterrupted run's.
-    assert [first_logged_iteration(text) for text in (logs[1], log)] == [stops[0] + 1, stops[1] + 1]
-    resumed, full = train_losses(out), train_losses(uninterrupted)
+    # Each relaunch went on from where the one before stopped, and every loss equals the uninterrupted run's.
+    assert [first_logged_iteration(text) for text in logs] == [stop + 1 for stop in stops]
+    assert killed_at < stops[1] < stops[2] < ITERS
+    resumed, full = train_losses(out), train_losses(uninterrupted)  # a relaunch's records come last and win
     assert sorted(resumed) == list(range(1, ITERS + 1))
-    assert stops[0] < stops[1] < ITERS
     for it in range(1, ITERS + 1):
         assert resumed[it] == full[it], it
     assert_same_final_weights(uninterrupted, out)

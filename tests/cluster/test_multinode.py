@@ -2,7 +2,8 @@
 and DP 2 across, launched the three ways clusters launch: `deepspeed --hostfile` over pdsh and ssh (through
 `scripts/pretrain_codegen.sh`, which writes the `.deepspeed_env` the other node needs), `deepspeed --no_ssh
 --node_rank K` once per node, and `torchrun --nnodes 2`. Each run's losses equal the single-node run of the same
-configuration, and its start-up report shows the two nodes, with every TP group inside one."""
+configuration (one in-process run of the same flags, the script's config file among them, shared by the three), and
+its start-up report shows the two nodes, with every TP group inside one."""
 
 import os
 import re
@@ -21,9 +22,14 @@ pytestmark = pytest.mark.slow  # every test in this file is in the slow tier (te
 
 ITERS = 6
 
+# What the script passes in front of its own flags: the other launches pass it too, so that every launch (the
+# script's own flags overridden by tiny_argv's) trains the same model as the in-process reference.
+CONFIG = ["--config", str(ROOT / "configs" / "default.yaml")]
+
 
 def tiny_argv(data, save):
-    return ["--tensor-model-parallel-size", "2", "--num-layers", "2", "--hidden-size", "32",
+    return ["--deepspeed-config", str(ROOT / "ds_configs" / "cpu_fp32_zero2.json"),
+            "--tensor-model-parallel-size", "2", "--num-layers", "2", "--hidden-size", "32",
             "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "64",
             "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "2e-3", "--lr-warmup-iters", "2",
             "--train-iters", str(ITERS), "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1",
@@ -37,9 +43,10 @@ def _run_pretrain(topology, argv):
 
 @pytest.fixture(scope="module")
 def single_node(tmp_path_factory, tiny_data):
-    """The reference: the same flags on 4 ranks of one node (in-process ranks)."""
+    """The reference: the same flags on 4 ranks of one node (in-process ranks), for every launcher below."""
     save = tmp_path_factory.mktemp("single_node")
-    run_distributed(_run_pretrain, world_size=4, tp_size=2, deadline_s=300, argv=tiny_argv(tiny_data, save))
+    run_distributed(_run_pretrain, world_size=4, tp_size=2, deadline_s=300,
+                    argv=[*CONFIG, *tiny_argv(tiny_data, save)])
     return train_losses(save)
 
 
@@ -72,29 +79,21 @@ def test_report_warns_about_tp_groups_that_span_reported_nodes():
     assert "WARNING" not in text and meta["tp_groups_spanning_nodes"] == []
 
 
-def test_deepspeed_hostfile_over_pdsh_and_ssh(loopback_cluster, tmp_path, tiny_data):
+def test_deepspeed_hostfile_over_pdsh_and_ssh(loopback_cluster, tmp_path, tiny_data, single_node):
     cluster = loopback_cluster
     hostfile = cluster.write_hostfile(tmp_path / "hostfile")
-    args = ["--tensor-model-parallel-size", "2", "--eval-interval", "1000", "--distributed-timeout-minutes", "2"]
-    common = dict(train_iters=ITERS, tp=2, base=cluster.env, WANDB_API_KEY="secret-marker-0123456789")
-
-    # The reference: the same script and flags on one node of 4 ranks.
-    single = tmp_path / "single"
-    proc = start_script(script_env(single, tiny_data, ranks=4, **common), *args)
-    log = finish(proc)
-    assert proc.returncode == 0, log[-4000:]
-
     multi = tmp_path / "multi"
-    env = script_env(multi, tiny_data, HOSTFILE=str(hostfile), **common)
+    env = script_env(multi, tiny_data, train_iters=ITERS, tp=2, base=cluster.env, HOSTFILE=str(hostfile),
+                     WANDB_API_KEY="secret-marker-0123456789")
     env["LAUNCHER_ARGS"] = (f"--ssh_port {cluster.ssh_port} --master_addr {cluster.master_addr} "
                             f"--master_port {free_port()}")
-    proc = start_script(env, *args)
+    proc = start_script(env, *tiny_argv(tiny_data, multi))  # after the script's CONFIG and flags: these win
     try:
         log = finish(proc)
     finally:
         cluster.kill_launched()
     assert proc.returncode == 0, log[-4000:]
-    assert_losses_match(multi, train_losses(single))
+    assert_losses_match(multi, single_node)
     assert_two_nodes_reported(log, multi, cluster.hosts)
 
     # .deepspeed_env: written by the script into OUTPUT_DIR, read by the runner, exported on both hosts; it
@@ -132,7 +131,7 @@ def test_deepspeed_no_ssh_one_launch_per_node(tmp_path, tiny_data, single_node):
     save, port = tmp_path / "no_ssh", free_port()
     cmds = [[sys.executable, "-m", "deepspeed.launcher.runner", "--no_ssh", "--node_rank", str(k), "--hostfile",
              str(hostfile), "--master_addr", "127.0.0.1", "--master_port", str(port),
-             str(ROOT / "codegeex_train" / "pretrain.py"), *tiny_argv(tiny_data, save)] for k in (0, 1)]
+             str(ROOT / "codegeex_train" / "pretrain.py"), *CONFIG, *tiny_argv(tiny_data, save)] for k in (0, 1)]
     logs = _launch_per_node(cmds, tmp_path)
     assert_losses_match(save, single_node)
     assert_two_nodes_reported(logs[0], save, ("127.0.0.2", "127.0.0.3"))
@@ -142,7 +141,7 @@ def test_torchrun_two_nodes(tmp_path, tiny_data, single_node):
     save, port = tmp_path / "torchrun", free_port()
     cmds = [[sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(k),
              "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port),
-             "-m", "codegeex_train.pretrain", *tiny_argv(tiny_data, save)] for k in (0, 1)]
+             "-m", "codegeex_train.pretrain", *CONFIG, *tiny_argv(tiny_data, save)] for k in (0, 1)]
     logs = _launch_per_node(cmds, tmp_path)
     assert_losses_match(save, single_node)
     assert_two_nodes_reported(logs[0], save, ("node 0", "node 1"))

@@ -5,7 +5,7 @@
 at (TP, PP, DP) = (1, 1, 1), (2, 1, 1) with SP and selective core_attn recompute, (1, 2, 1) with full recompute and
 (1, 4, 1) interleaved (v = 2: true middle ranks and middle chunks), the per-token losses of the first step equal
 those of a Hugging Face GPT-2 run on each document alone (weights copied from our model, the EOD positions masked),
-within 1e-5, and the 10 iterations' losses and grad norms equal the (1, 1, 1) run's within 1e-5.
+within 1e-5, and the 4 iterations' losses and grad norms equal the (1, 1, 1) run's within 1e-5.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from codegeex_train.training.stage import masked_mean
 
 EOD = 0  # the shipped tokenizer's end-of-document id
 VOCAB = 8192  # the shipped tokenizer's vocabulary, already a multiple of 128: no padding logits
-ITERS, MICRO_BATCHES, TOL = 10, 4, 1e-5
+ITERS, MICRO_BATCHES, TOL = 4, 4, 1e-5  # 4 iterations: past the warm-up, clipping, the loss falls
 FLAGS = ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]
 SELECTIVE = ["--recompute-granularity", "selective", "--recompute-modules", "core_attn"]
 # (TP, PP, DP) -> extra flags. 8 layers: (1, 4, 1) with one layer per virtual stage runs v = 2 chunks per rank.
@@ -179,7 +179,18 @@ def reference_losses(model, text: np.ndarray, per_document: bool = True) -> np.n
     return out.numpy()
 
 
-def test_per_token_losses_equal_hf_gpt2_on_each_document_and_layouts_agree(layout_runs, short_documents):
+@pytest.fixture
+def one_torch_thread():
+    """The HF reference runs in this process: its tiny matrix products on one intra-op thread, as in the ranks (two
+    threads waiting on each other on a busy 2-core machine made it ~30x slower: 22 s against 0.7 s)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_per_token_losses_equal_hf_gpt2_on_each_document_and_layouts_agree(layout_runs, short_documents,
+                                                                          one_torch_thread):
     base, base_record = layout_runs[(1, 1, 1)]
     model = hf_gpt2(base_record["initial"], masking_args(short_documents, "x", 1, 1, []))
     assert base[ITERS]["loss"] < base[1]["loss"]  # it learns
