@@ -8,6 +8,14 @@ Generate n samples per task from a checkpoint (greedy for n = 1, else temperatur
     python tools/evaluate_humaneval.py --load CKPT --tokenizer-type HFTokenizer --tokenizer-model tok.json \\
         --num-samples-per-task 100 --temperature 0.8 --top-p 0.95 --k 1,10,100 --output results.jsonl
 
+All tasks' prompts decode together (continuous batching: --batch-size rows, a finished sample's row taken by the
+next sample of any task), and each sample runs in the sandbox as soon as it is generated, while decoding goes on.
+Task i's sample j draws from its own random stream seeded by (--seed, i, j): the same seed gives the same
+completions on a rerun, whatever --batch-size. The log and the metrics record say how long generation took
+("humaneval_generation_seconds"), execution from the first sample to the last result
+("humaneval_execution_seconds"), the part of it after generation ("humaneval_execution_tail_seconds") and the
+samples' own times summed ("humaneval_sandbox_seconds").
+
 The tokenizer is the one the checkpoint records (training checkpoints do); any tokenizer flag replaces it, and a
 checkpoint that records none (e.g. converted) gets the flags or, with none, the shipped default. One line on stderr
 says which.
@@ -106,8 +114,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      help="sampling temperature (default: greedy for N = 1, else 0.8)")
     gen.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling when sampling (default: %(default)s)")
     gen.add_argument("--top-k", type=int, default=0, help="top-k when sampling, 0 = off (default: %(default)s)")
-    gen.add_argument("--seed", type=int, default=1234, help="(default: %(default)s)")
-    gen.add_argument("--batch-size", type=int, default=16, help="prompts per generate call (default: %(default)s)")
+    gen.add_argument("--seed", type=int, default=1234, help="task i's sample j draws from a random stream seeded by "
+                     "(seed, i, j): the same completions on a rerun, whatever --batch-size (default: %(default)s)")
+    gen.add_argument("--batch-size", type=int, default=None, help="samples decoded together (continuous batching: "
+                     "a finished sample's row goes to the next, of any task) (default: all, at most max(tasks, 64))")
     gen.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     ev = p.add_argument_group("evaluation")
     ev.add_argument("--benchmark", default="humaneval", choices=("humaneval", *INFILLING),
@@ -197,6 +207,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def fail(e: Exception) -> None:
+    """Bad input: one line, exit 2 as argparse."""
+    print(f"{PROG}: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+    raise SystemExit(2) from None
+
+
 def checkpoint_iteration(load_dir: str) -> int:
     from codegeex_train.checkpoint.files import read_latest
 
@@ -204,8 +220,8 @@ def checkpoint_iteration(load_dir: str) -> int:
     return int(match.group(1)) if match else 0
 
 
-def generate(args, problems_by: dict[str, dict]) -> dict[str, list[dict]]:
-    """language -> samples, from one model: each language's prompts and stop strings."""
+def load_generator(args):
+    """(the --load checkpoint's Generator, the FIM format of an infilling --benchmark or None)."""
     import torch
 
     from codegeex_train.checkpoint.files import (
@@ -215,8 +231,6 @@ def generate(args, problems_by: dict[str, dict]) -> dict[str, list[dict]]:
     )
     from codegeex_train.config.arguments import DataConfig
     from codegeex_train.data.tokenizer import load_tokenizer
-    from codegeex_train.evaluation import default_params, generate_samples
-    from codegeex_train.evaluation.infilling import generate_infilling_samples, infilling_params
 
     try:
         from codegeex_train.generation import Generator
@@ -232,28 +246,46 @@ def generate(args, problems_by: dict[str, dict]) -> dict[str, list[dict]]:
     logger.info(which)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     try:
-        generator = Generator.from_checkpoint(args.load, tokenizer, device=device)
+        return Generator.from_checkpoint(args.load, tokenizer, device=device), fim
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise ValueError(f"--load {args.load}: {e}") from None
-    if fim is not None:
-        params = infilling_params(args.num_samples_per_task, max_new_tokens=args.max_new_tokens,
-                                  temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-        problems = problems_by["python"]
-        logger.info(f"generating {args.num_samples_per_task} middle(s) for each of {len(problems)} {args.benchmark} "
-                    f"tasks ({fim.order.upper()}, "
-                    f"{'greedy' if not params.temperature else f'temperature {params.temperature}'})")
-        return {"python": generate_infilling_samples(generator, problems, fim, num_samples=args.num_samples_per_task,
-                                                     params=params, batch_size=args.batch_size, progress=True)}
-    samples_by = {}
-    for lang, problems in problems_by.items():
-        params = default_params(args.num_samples_per_task, max_new_tokens=args.max_new_tokens,
-                                temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                                language=lang)
-        logger.info(f"generating {args.num_samples_per_task} sample(s) for each of {len(problems)}{_label(lang)} "
-                    f"tasks ({'greedy' if not params.temperature else f'temperature {params.temperature}'})")
-        samples_by[lang] = generate_samples(generator, problems, num_samples=args.num_samples_per_task,
-                                            params=params, batch_size=args.batch_size, progress=True)
-    return samples_by
+
+
+def generate_middles(args, generator, fim, problems: dict) -> list[dict]:
+    """The infilling samples (generated whole before execution: ``Generator.infill`` does not stream)."""
+    from codegeex_train.evaluation.infilling import generate_infilling_samples, infilling_params
+
+    params = infilling_params(args.num_samples_per_task, max_new_tokens=args.max_new_tokens,
+                              temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    how = "greedy" if not params.temperature else f"temperature {params.temperature}"
+    logger.info(f"generating {args.num_samples_per_task} middle(s) for each of {len(problems)} {args.benchmark} "
+                f"tasks ({fim.order.upper()}, {how})")
+    start = time.monotonic()
+    samples = generate_infilling_samples(generator, problems, fim, num_samples=args.num_samples_per_task,
+                                         params=params, batch_size=args.batch_size, progress=True)
+    logger.info(f"{len(samples)} middles generated in {time.monotonic() - start:.1f} s")
+    return samples
+
+
+def evaluate_generating(args, generator, problems: dict, lang: str, sandbox, toolchain, on_result):
+    """Generate ``lang``'s samples and execute each as it comes out (``evaluate_generated``); its Evaluation."""
+    from codegeex_train.evaluation import default_params
+    from codegeex_train.evaluation.humaneval import evaluate_generated
+
+    params = default_params(args.num_samples_per_task, max_new_tokens=args.max_new_tokens,
+                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            language=lang)
+    logger.info(f"generating {args.num_samples_per_task} sample(s) for each of {len(problems)}{_label(lang)} tasks "
+                f"({'greedy' if not params.temperature else f'temperature {params.temperature}'}), executing each "
+                f"as it is generated")
+    evaluation = evaluate_generated(generator, problems, num_samples=args.num_samples_per_task, params=params,
+                                    sandbox=sandbox, batch_size=args.batch_size, ks=args.ks, language=lang,
+                                    toolchain=toolchain, scoring=args.scoring, on_result=on_result, progress=True)
+    t = evaluation.timing
+    logger.info(f"{lang}: generation {t['generation_seconds']:.1f} s; execution {t['execution_seconds']:.1f} s from "
+                f"the first sample to the last result, {t['execution_tail_seconds']:.1f} s of it after generation "
+                f"(the samples' own {t['sandbox_seconds']:.1f} s over {sandbox.workers} workers)")
+    return evaluation
 
 
 def _label(lang: str) -> str:
@@ -336,7 +368,10 @@ def main(argv: list[str] | None = None) -> None:
     from codegeex_train.evaluation.languages import LANGUAGES
     from codegeex_train.evaluation.toolchains import Toolchain
 
+    bad_input = (ProblemsError, SandboxError, ValueError, OSError, RuntimeError)
     toolchains: dict[str, Toolchain] = {}
+    samples_by: dict[str, list[dict]] = {}  # language -> samples, except those generated as they execute
+    generator = None
     try:
         if args.infilling:
             all_problems = {"python": read_infilling_problems(args.problems, args.benchmark)}
@@ -364,14 +399,15 @@ def main(argv: list[str] | None = None) -> None:
             iteration = 0
         else:
             iteration = checkpoint_iteration(args.load)
-            samples_by = generate(args, problems_by)
+            generator, fim = load_generator(args)
+            if args.infilling:
+                samples_by = {"python": generate_middles(args, generator, fim, problems_by["python"])}
         if args.iteration is not None:
             iteration = args.iteration
-    except (ProblemsError, SandboxError, ValueError, OSError, RuntimeError) as e:
+    except bad_input as e:
         for toolchain in toolchains.values():
             toolchain.close()
-        print(f"{PROG}: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None  # bad input: one line, exit 2 as argparse
+        fail(e)
 
     logger.info(f"sandbox ({sandbox.workers} workers):")
     for name, what in sandbox.guards.items():
@@ -388,19 +424,29 @@ def main(argv: list[str] | None = None) -> None:
     evaluations = []
     try:
         for lang in args.languages:
-            samples = samples_by[lang]
+            generating = lang not in samples_by  # --load: HumanEval's samples execute as they are generated
+            total = len(problems_by[lang]) * args.num_samples_per_task if generating else len(samples_by[lang])
             start = time.monotonic()
-            with tqdm(total=len(samples), desc=f"execute{_label(lang)}", unit="sample", file=sys.stderr) as bar:
-                if args.infilling:
-                    evaluations.append(evaluate_infilling(problems_by[lang], samples, benchmark=args.benchmark,
-                                                          ks=args.ks, sandbox=sandbox,
-                                                          on_result=lambda i, r: bar.update(1)))
+            with tqdm(total=total, desc=f"execute{_label(lang)}", unit="sample", file=sys.stderr) as bar:
+                def count(index, result):
+                    bar.update(1)
+
+                if generating:
+                    try:
+                        evaluation = evaluate_generating(args, generator, problems_by[lang], lang, sandbox,
+                                                         toolchains.get(lang), count)
+                    except bad_input as e:  # e.g. a prompt longer than the model's positions, before any sample ran
+                        fail(e)
+                elif args.infilling:
+                    evaluation = evaluate_infilling(problems_by[lang], samples_by[lang], benchmark=args.benchmark,
+                                                    ks=args.ks, sandbox=sandbox, on_result=count)
                 else:
-                    evaluations.append(evaluate_samples(problems_by[lang], samples, ks=args.ks, sandbox=sandbox,
-                                                        on_result=lambda i, r: bar.update(1), language=lang,
-                                                        toolchain=toolchains.get(lang), scoring=args.scoring))
+                    evaluation = evaluate_samples(problems_by[lang], samples_by[lang], ks=args.ks, sandbox=sandbox,
+                                                  on_result=count, language=lang, toolchain=toolchains.get(lang),
+                                                  scoring=args.scoring)
+            evaluations.append(evaluation)
             seconds = time.monotonic() - start
-            logger.info(f"{lang}: {len(samples)} samples in {seconds:.1f} s ({len(samples) / seconds:.2f} per second)")
+            logger.info(f"{lang}: {total} samples in {seconds:.1f} s ({total / seconds:.2f} per second)")
     finally:
         for toolchain in toolchains.values():
             toolchain.close()
@@ -420,8 +466,7 @@ def main(argv: list[str] | None = None) -> None:
             log(args.run_dir, iteration, metrics, wandb_project=args.wandb_project, wandb_name=args.wandb_name,
                 wandb_id=args.wandb_id)
     except OSError as e:
-        print(f"{PROG}: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None  # bad input: one line, exit 2 as argparse
+        fail(e)
     for evaluation in evaluations:
         print(evaluation.summary())
         if args.infilling:

@@ -122,7 +122,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     s.add_argument("--stop", nargs="+", default=[], metavar="STRING", help="end a completion before the first of "
                    "these strings (\\n, \\t, \\\\ escapes), e.g. HumanEval's '\\ndef' '\\nclass' '\\nif' '\\nprint' "
                    "'\\n#'")
-    s.add_argument("--batch-size", type=int, default=8, help="prompts decoded together (default: 8)")
+    s.add_argument("--batch-size", type=int, default=8, help="rows decoded together (continuous batching: a "
+                   "finished row makes room for the next prompt; default: 8)")
     m = p.add_argument_group("device")
     m.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: this rank's GPU when CUDA is available and DS_ACCELERATOR is not cpu")
@@ -324,14 +325,20 @@ class Sink:
 
 def run_batches(gen: Generator, records: list[dict], params: SamplingParams, batch_size: int, sink: Sink,
                 fim: FimFormat | None = None) -> None:
-    for start in range(0, len(records), batch_size):
-        batch = records[start:start + batch_size]
-        if fim is None:
-            completions = gen.generate([r["prompt"] for r in batch], params)
-        else:
-            completions = gen.infill([r["prefix"] for r in batch], [r["suffix"] for r in batch], params, fim)
-        for record, completion in zip(batch, completions):
-            sink.put(record, completion)
+    """Every record through the generator's continuous batching (``batch_size`` rows at once), written in the
+    records' order as soon as each one and those before it are done."""
+    if fim is None:
+        stream = gen.stream([r["prompt"] for r in records], params, batch_size=batch_size)
+    else:
+        stream = gen.stream_infill([r["prefix"] for r in records], [r["suffix"] for r in records], params, fim,
+                                   batch_size=batch_size)
+    done: dict[int, str] = {}
+    written = 0
+    for index, completion in stream:
+        done[index] = completion
+        while written in done:
+            sink.put(records[written], done.pop(written))
+            written += 1
 
 
 def interactive(gen: Generator, params: SamplingParams, config: ModelConfig, tokenizer, rank: int, sink: Sink) -> None:

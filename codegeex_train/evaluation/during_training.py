@@ -60,7 +60,8 @@ def humaneval_callback(engine, tokenizer, device, topology: Topology, *, tasks: 
 
     Generation is collective over TP only, so DP rank 0's TP group generates (the others go on and wait for it
     in the next step's collectives); only the rank with ``execute`` (the logging rank) runs the completions in
-    the sandbox and returns the metrics (with ``"sandbox": "none (--unsafe-no-sandbox)"`` when unsafe). Prompts
+    the sandbox, each sample as soon as it is generated (``evaluate_generated``), and returns the metrics (with the
+    generation and execution seconds, and ``"sandbox": "none (--unsafe-no-sandbox)"`` when unsafe). Prompts
     the model cannot take (e.g. longer than its positions) skip the evaluation with a warning, the same on every
     rank."""
     problems_by = humaneval_problems(languages, problems, tasks)

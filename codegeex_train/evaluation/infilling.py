@@ -198,21 +198,23 @@ def evaluate_infilling(problems: Mapping[str, dict], samples: Sequence[Mapping],
 
 
 class _Infiller:
-    """``generate(task_ids, params)`` -> middles: lets ``generate_samples`` (batches, per-batch seeds, progress)
-    drive ``Generator.infill``, its "prompts" being task ids."""
+    """``stream(task_ids, params, num_samples=, batch_size=)`` -> (index, middle): lets ``generate_samples``
+    (ordering, seeds, progress) drive ``Generator.infill``, its "prompts" being task ids. ``infill`` returns all
+    middles at once, so infilling does not overlap generation with execution."""
 
     def __init__(self, generator, problems: Mapping[str, dict], fim):
         self.generator, self.problems, self.fim = generator, problems, fim
 
-    def generate(self, task_ids: list[str], params) -> list[str]:
+    def stream(self, task_ids: list[str], params, *, num_samples: int, batch_size: int | None):
         chosen = [self.problems[t] for t in task_ids]
-        return self.generator.infill([p["prompt"] for p in chosen], [p["suffix"] for p in chosen], params, self.fim)
+        return enumerate(self.generator.infill([p["prompt"] for p in chosen], [p["suffix"] for p in chosen], params,
+                                               self.fim, num_samples=num_samples, batch_size=batch_size))
 
 
 def generate_infilling_samples(generator, problems: Mapping[str, dict], fim, *, num_samples: int, params,
-                               batch_size: int = 16, progress: bool = False) -> list[dict]:
-    """``num_samples`` middles per problem from ``generator.infill`` in the FIM format ``fim``, batched and
-    seeded as ``generate_samples``."""
+                               batch_size: int | None = None, progress: bool = False) -> list[dict]:
+    """``num_samples`` middles per problem from one ``generator.infill`` call over all of them in the FIM format
+    ``fim``, ordered and seeded as ``generate_samples`` (task i's sample j: ``row_seed(params.seed, i, j)``)."""
     return generate_samples(_Infiller(generator, problems, fim), {task: {"prompt": task} for task in problems},
                             num_samples=num_samples, params=params, batch_size=batch_size, progress=progress)
 

@@ -12,7 +12,14 @@ May import: ``checkpoint``, ``model``, ``data`` and below.
 
 from codegeex_train.generation.generator import Generator
 from codegeex_train.generation.infill import FimFormat, InfillError, fim_format, recorded_fim, split_at_marker
-from codegeex_train.generation.sampling import SamplingParams, sample_next_tokens, top_k_mask, top_p_mask
+from codegeex_train.generation.sampling import (
+    SamplingParams,
+    choose_tokens,
+    row_seed,
+    sample_next_tokens,
+    top_k_mask,
+    top_p_mask,
+)
 from codegeex_train.generation.text import HUMANEVAL_STOP, decode_whitespace_tokens, truncate_at_stop
 
 __all__ = [
@@ -25,6 +32,8 @@ __all__ = [
     "SamplingParams",
     "HUMANEVAL_STOP",
     "sample_next_tokens",
+    "choose_tokens",
+    "row_seed",
     "top_k_mask",
     "top_p_mask",
     "truncate_at_stop",

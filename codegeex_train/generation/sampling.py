@@ -2,12 +2,17 @@
 
 The order is Hugging Face's (``generate``'s logits warpers): divide by the temperature, keep the top k,
 then the smallest set of most likely tokens whose probability reaches top_p, and sample from what is
-left with a seeded ``torch.Generator``. Temperature 0 is greedy (argmax; the lowest id among ties) and
-ignores top-k and top-p.
+left. Temperature 0 is greedy (argmax; the lowest id among ties) and ignores top-k and top-p.
+
+**The draw** is an inverse CDF: one uniform u in [0, 1) per row, and the token is the first id (in vocabulary
+order) at which the cumulative probability of the kept tokens exceeds u times their total. So a row's token is a
+function of its logits and its u alone, whatever else is in the batch: the generator gives every sample its own
+stream of u's (``row_seed``: one ``torch.Generator`` per sample, one draw per new token; ``batching.py``).
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -73,10 +78,33 @@ def filtered_scores(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return scores
 
 
-def sample_next_tokens(logits: torch.Tensor, params: SamplingParams,
-                       generator: torch.Generator | None = None) -> torch.Tensor:
-    """The next token of each row of ``logits`` (b, v): (b,) int64."""
+def row_seed(seed: int, prompt: int, sample: int) -> int:
+    """The seed of the random stream of sample ``sample`` of prompt ``prompt`` in a call seeded ``seed``: the first
+    8 bytes of SHA-256("seed:prompt:sample"), as a non-negative int64. Distinct seeds give unrelated streams (no
+    ``seed + i`` overlaps between calls)."""
+    digest = hashlib.sha256(f"{int(seed)}:{int(prompt)}:{int(sample)}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def choose_tokens(logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor | None) -> torch.Tensor:
+    """The next token of each row of ``logits`` (b, v): (b,) int64. Greedy ignores ``uniforms``; otherwise row i
+    takes the first id whose cumulative kept probability exceeds ``uniforms[i]`` (in [0, 1)) times the total."""
     if params.greedy:
         return logits.argmax(dim=-1)
     probs = torch.softmax(filtered_scores(logits, params), dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    cdf = probs.double().cumsum(dim=-1)  # float64: the targets near 1 must not fall past the last kept id
+    target = uniforms.to(device=cdf.device, dtype=torch.float64) * cdf[:, -1]
+    chosen = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1)
+    # u * total can round up to total itself: take the last id with probability > 0 instead
+    last_kept = probs.shape[-1] - 1 - (probs.flip(-1) > 0).to(torch.int8).argmax(dim=-1)
+    return torch.minimum(chosen, last_kept)
+
+
+def sample_next_tokens(logits: torch.Tensor, params: SamplingParams,
+                       generator: torch.Generator | None = None) -> torch.Tensor:
+    """The next token of each row of ``logits`` (b, v): (b,) int64, one uniform per row from ``generator``."""
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    device = generator.device if generator is not None else torch.device("cpu")
+    return choose_tokens(logits, params, torch.rand(logits.shape[0], generator=generator, dtype=torch.float64,
+                                                    device=device))

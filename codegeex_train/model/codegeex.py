@@ -40,6 +40,7 @@ from codegeex_train.config.model_config import ModelConfig
 from codegeex_train.config.plan import ParallelPlan
 from codegeex_train.config.recompute import Recompute
 from codegeex_train.model.attention import KVCache, document_attention_mask
+from codegeex_train.model.kv_slots import KVSlots
 from codegeex_train.model.embedding import ReplicatedEmbedding, parallel_lm_logits, word_embeddings
 from codegeex_train.model.init import ParamInit
 from codegeex_train.model.rotary import rotary_tables
@@ -178,8 +179,15 @@ class CodeGeeXModel(nn.Module):
         return KVCache(attentions, batch_size, capacity, self.config.num_attention_heads // self.tp_size,
                        self.config.head_dim, dtype=weight.dtype, device=weight.device)
 
+    def new_kv_slots(self, slots: int, capacity: int) -> KVSlots:
+        """Empty KVSlots (continuous batching, kv_slots.py) for the same attentions, heads, dtype and device."""
+        weight = next(self.parameters())
+        attentions = len(self.layers) + int(self.post_process and self.config.top_query_layer)
+        return KVSlots(attentions, slots, capacity, self.config.num_attention_heads // self.tp_size,
+                       self.config.head_dim, dtype=weight.dtype, device=weight.device)
+
     def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
-                gather_logits: bool = False, kv_cache: KVCache | None = None,
+                gather_logits: bool = False, kv_cache: KVCache | KVSlots | None = None,
                 attention_mask: torch.Tensor | None = None, last_token_only: bool = False,
                 chunk: int = 0, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``inputs``: token ids (b, s) on the first stage, hidden states (b, s, h) elsewhere.

@@ -154,17 +154,31 @@ def tiny_checkpoint(tmp_path_factory):
 
 
 def test_generate_from_a_checkpoint_and_score(tiny_checkpoint, tmp_path):
+    """--load: the samples (decoded 2 rows at a time, executed as they come) are the generator's own for the seed,
+    as it gives them with all rows together; the record holds pass@k and the timings."""
     root = tiny_checkpoint
     result = run_tool("--load", root / "ckpt", "--problems", root / "problems.jsonl", "--num-samples-per-task", 3,
                       "--temperature", "0.8", "--max-new-tokens", 8, "--k", "1,2", "--device", "cpu",
                       "--output", tmp_path / "results.jsonl", "--run-dir", tmp_path / "run", "--workers", 2,
-                      "--timeout", 20)
+                      "--timeout", 20, "--batch-size", 2, "--seed", 9)
     assert result.returncode == 0, result.stderr
     results = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert [(r["task_id"], r["sample"]) for r in results] == [(f"Tiny/{i}", j) for i in range(2) for j in range(3)]
     assert all(isinstance(r["completion"], str) and r["result"] for r in results)
+    from codegeex_train.data.tokenizer import default_tokenizer
+    from codegeex_train.evaluation import default_params
+    from codegeex_train.generation import Generator
+
+    problems = read_problems(root / "problems.jsonl")
+    expected = Generator.from_checkpoint(root / "ckpt", default_tokenizer()).generate(
+        [p["prompt"] for p in problems.values()], default_params(3, max_new_tokens=8, temperature=0.8, seed=9),
+        num_samples=3)
+    assert [r["completion"] for r in results] == expected
     [record] = read_metrics(tmp_path / "run")
     assert record["iteration"] == 42 and record["split"] == "humaneval"
     assert set(record) == {"iteration", "split", "humaneval_pass@1", "humaneval_pass@2", "humaneval_tasks",
-                           "humaneval_samples_per_task", "scoring"}
+                           "humaneval_samples_per_task", "scoring", "humaneval_generation_seconds",
+                           "humaneval_execution_seconds", "humaneval_execution_tail_seconds",
+                           "humaneval_sandbox_seconds"}
     assert "pass@1:" in result.stdout and "pass@2:" in result.stdout
+    assert "python: generation " in result.stderr and " of it after generation" in result.stderr

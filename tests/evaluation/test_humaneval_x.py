@@ -233,10 +233,10 @@ def test_training_callback_scores_each_language(monkeypatch):
         def __init__(self, *args):
             pass
 
-        def generate(self, prompts, params):
+        def stream(self, prompts, params, *, num_samples=1, batch_size=None):
             seen.append(params.stop)
             by_prompt = {p["prompt"]: p["canonical_solution"] for lang in problems for p in problems[lang].values()}
-            return [truncate_at_stop(by_prompt[prompt], params.stop) for prompt in prompts]
+            return enumerate(truncate_at_stop(by_prompt[prompt], params.stop) for prompt in prompts)
 
     class Engine:
         module = None
@@ -251,6 +251,9 @@ def test_training_callback_scores_each_language(monkeypatch):
     evaluate = during_training.humaneval_callback(Engine(), None, "cpu", Topology(), tasks=2, max_new_tokens=8,
                                                   execute=True, languages=("python", "js"), problems=str(DATA))
     metrics = evaluate(10)
+    timings = {key: metrics.pop(key) for key in list(metrics) if key.endswith("_seconds")}
+    assert sorted(timings) == sorted(f"humaneval{lang}_{t}_seconds" for lang in ("", "_js")
+                                     for t in ("generation", "execution", "execution_tail", "sandbox"))
     assert metrics == {"humaneval_pass@1": 1.0, "humaneval_tasks": 2, "humaneval_samples_per_task": 1,
                        "humaneval_js_pass@1": 1.0, "humaneval_js_tasks": 2, "humaneval_js_samples_per_task": 1}
     assert seen == [LANGUAGES["python"].stop, ("\n}",)]

@@ -240,9 +240,9 @@ def test_callback_scores_the_middles_it_generates(bench_dir, fim_model, monkeypa
     calls = []
 
     class OneSolved(Generator):
-        def infill(self, prefixes, suffixes, params, fim):
+        def infill(self, prefixes, suffixes, params, fim, **kwargs):
             calls.append((list(prefixes), list(suffixes), fim.order))
-            middles = super().infill(prefixes, suffixes, params, fim)
+            middles = super().infill(prefixes, suffixes, params, fim, **kwargs)
             return [problems[solved]["canonical_solution"] if p == problems[solved]["prompt"] and
                     s == problems[solved]["suffix"] else WRONG for m, p, s in zip(middles, prefixes, suffixes)]
 

@@ -82,4 +82,7 @@ def tp_rank_checks(topology, ckpt_dir: str, prompts: list[list[int]]) -> dict:
     out["greedy"] = gen.generate_ids(prompts, SamplingParams(max_new_tokens=NEW_TOKENS))
     out["sampled"] = gen.generate_ids(prompts, SAMPLING)
     out["sampled_again"] = gen.generate_ids(prompts, SAMPLING)
+    # continuous batching at TP 2: 3 samples a prompt through 2 slots, and all at once
+    out["sampled_slots"] = gen.generate_ids(prompts, SAMPLING, num_samples=3, batch_size=2, end_ids=(7, 9, 11))
+    out["sampled_all"] = gen.generate_ids(prompts, SAMPLING, num_samples=3, end_ids=(7, 9, 11))
     return out

@@ -175,6 +175,19 @@ def test_sampling_identical_on_every_tp_rank(tp2_results):
     assert len({tuple(map(tuple, r["sampled"])) for r in tp2_results}) == 1  # every rank, the same tokens
     assert all(r["sampled_again"] == first for r in tp2_results)  # and again with the same seed
     assert first != tp2_results[0]["greedy"]
+    # continuous batching at TP 2: every rank batches alike, and the slots do not change a sample
+    slots = tp2_results[0]["sampled_slots"]
+    assert all(r["sampled_slots"] == slots and r["sampled_all"] == slots for r in tp2_results)
+    assert len({len(row) for row in slots}) > 1  # rows left the batch at different steps
+
+
+def test_tp2_samples_as_tp1(tp2_results, hf_gpt2):
+    """The same checkpoint at TP 1: the same samples (each rank's logits equal TP 1's to float rounding, and every
+    sample draws from its own stream)."""
+    tp1 = Generator.from_checkpoint(hf_gpt2["ckpt"][1], None)
+    prompts = hf_gpt2["prompts"]
+    assert tp1.generate_ids(prompts, SAMPLING) == tp2_results[0]["sampled"]
+    assert tp1.generate_ids(prompts, SAMPLING, num_samples=3, end_ids=(7, 9, 11)) == tp2_results[0]["sampled_slots"]
 
 
 def test_prompts_are_checked(tiny_generator):
@@ -186,6 +199,6 @@ def test_prompts_are_checked(tiny_generator):
         tiny_generator.generate_ids([[1] * 65], SamplingParams())
     with pytest.warns(UserWarning, match="max_new_tokens 128 cut to 5"):
         out = tiny_generator.generate_ids([[1] * 60, [2]], SamplingParams(max_new_tokens=128))
-    assert [len(r) for r in out] == [5, 5]
+    assert [len(r) for r in out] == [5, 64]  # each prompt to its own limit: [2] has 63 positions left
     assert tiny_generator.generate_ids([[1]], SamplingParams(max_new_tokens=0)) == [[]]
     assert tiny_generator.generate_ids([], SamplingParams()) == []

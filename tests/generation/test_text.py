@@ -43,21 +43,22 @@ def test_whitespace_tokens_as_spaces():
 
 
 class ScriptedGenerator(Generator):
-    """Plays ``script[i]`` on row i (then the end-of-document id) whatever the model computes."""
+    """Plays ``script[i]`` on every sample of prompt i (then the end-of-document id) whatever the model computes;
+    the real forwards still run (and cache), their widths recorded in ``fed``."""
 
     def __init__(self, tokenizer, script: list[list[int]]):
         config = tiny_config(vocab_size=tokenizer.vocab_size, make_vocab_size_divisible_by=128)
         super().__init__(CodeGeeXModel(config, None, None, seed=1), tokenizer)
-        self.script, self.step, self.fed = script, 0, []
+        self.script, self.fed = script, []
 
     def _logits(self, tokens, positions, real, cache):
-        logits = super()._logits(tokens, positions, real, cache)  # the real forward still runs (and caches)
         self.fed.append(tokens.shape[1])
-        scripted = torch.full_like(logits, -1e4)
-        for i, row in enumerate(self.script):
-            scripted[i, row[self.step] if self.step < len(row) else self.tokenizer.eod] = 0.0
-        self.step += 1
-        return scripted
+        return super()._logits(tokens, positions, real, cache)
+
+    def choose(self, logits, params, rows):
+        script = [self.script[row.prompt] for row in rows]
+        return torch.tensor([s[len(row.tokens)] if len(row.tokens) < len(s) else self.tokenizer.eod
+                             for s, row in zip(script, rows)])
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +83,11 @@ def test_stop_strings_end_rows_and_cut_text(tokenizer):
         before = tokenizer.decode(row[:-1])
         assert any(s in text for s in HUMANEVAL_STOP) and not any(s in before for s in HUMANEVAL_STOP)
     assert ids[2] == script[2]  # the end-of-document id is not part of the completion
-    assert gen.fed[0] > 1 and set(gen.fed[1:]) == {1}  # a prefill, then one new token per step with the cache
-    assert len(gen.fed) == max(map(len, ids))  # one forward per step, none after the last row stopped
+    # One prefill per prompt, then one new token per row and step; no forward after the last row stopped: the
+    # third row chooses its tokens and the end of document, the others stop on a token of theirs.
+    prompts = tokenizer.encode_batch(["def add(a, b):", "def one():", "# x"])
+    assert gen.fed[:3] == [len(p) for p in prompts] and set(gen.fed[3:]) == {1}
+    assert len(gen.fed) - 3 == max(len(ids[0]), len(ids[1]), len(ids[2]) + 1) - 1
 
 
 def test_whitespace_tokens_decode_to_spaces(tokenizer):
