@@ -5,7 +5,8 @@ differ), n samples each at temperature 0.8 / top-p 0.95, up to 256 new tokens, H
 samples end at different lengths, as in a pass@k evaluation:
 
   ours  Generator.from_checkpoint(CKPT).generate_ids(prompts, num_samples=n, batch_size=B): one prefill per
-        prompt shared by its samples, continuous batching over B rows (default n), stop strings incrementally;
+        prompt, its keys and values shared by its samples, continuous batching over B rows (default the
+        Generator's: min(P n, max(P, 64)), 64 here), stop strings incrementally;
   HF    the checkpoint exported by our converter (checkpoint/hf_format.to_hf, what tools/convert_checkpoint.py
         --to-hf runs: a GPT-2-shaped model is transformers' GPT2LMHeadModel) and its exported tokenizer:
         generate(do_sample=True, num_return_sequences=n, stop_strings=HUMANEVAL_STOP, tokenizer=...), its own
@@ -29,7 +30,7 @@ given checkpoint (TP 1, PP 1) instead.
 **--workload greedy** keeps the fixed-length case on random weights: ours KV-cached, HF generate and our no-cache
 decoding, greedy, every row generating exactly --new-tokens tokens, a batch of prompts of random ids.
 
-    python benchmarks/generation.py                             # P 8 x n 20 (~3 min, + the training once)
+    python benchmarks/generation.py                             # P 8 x n 20 (~13 min, + the training once)
     python benchmarks/generation.py --load outputs/codegen-x --prompts 4 --samples 10
     python benchmarks/generation.py --workload greedy           # random weights, 6 layers x 512, batch 4 (~2 min)
 """
@@ -201,7 +202,7 @@ def evaluation_workload(args) -> dict:
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed, stop=stop)
     greedy = SamplingParams(max_new_tokens=args.new_tokens, stop=stop)
-    rows = args.batch_size or n
+    rows = args.batch_size or min(len(prompt_ids) * n, max(len(prompt_ids), 64))  # Generator's default
 
     def ours(p, samples):
         return gen.generate_ids(prompt_ids, p, num_samples=samples, batch_size=rows if samples == n else None)
@@ -296,11 +297,11 @@ def hf_fixed_length(hf_model, batch: list[list[int]], new_tokens: int) -> list[l
     width = max(map(len, batch))
     ids = torch.zeros(len(batch), width, dtype=torch.long)
     mask = torch.zeros(len(batch), width, dtype=torch.long)
-    for i, p in enumerate(batch):
+    for i, p in enumerate(batch):  # left padding, as HF documents for decoder-only batches
         ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
     with torch.no_grad():
-        out = hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                                min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        out = hf_model.generate(input_ids=ids.to(hf_model.device), attention_mask=mask.to(hf_model.device),
+                                max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     return out[:, width:].tolist()
 
 
@@ -344,8 +345,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workload", choices=("evaluation", "greedy"), default="evaluation")
     p.add_argument("--new-tokens", type=int, default=None, help="max new tokens (default 256; greedy: exactly 64)")
     p.add_argument("--batch-size", type=int, default=None,
-                   help="rows decoded together: ours' continuous batch (default --samples, the rows of HF's "
-                        "per-prompt call); greedy: prompts per call (default 4)")
+                   help="rows decoded together: ours' continuous batch (default the Generator's: min(P n, max(P, 64))); "
+                        "greedy: prompts per call (default 4)")
     p.add_argument("--reps", type=int, default=3, help="timed runs of ours and of HF each (median)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch.set_num_threads for all")
     p.add_argument("--seed", type=int, default=0)

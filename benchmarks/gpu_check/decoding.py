@@ -50,10 +50,10 @@ def unit_d(a, state: State, topology, device, deadline: Deadline) -> None:
     gen = Generator(ours, None, device=device)
     new = a.d_new_tokens
 
-    from benchmarks.generation import hf_generate as hf_generate_batch
+    from benchmarks.generation import hf_fixed_length
 
     def hf_generate(n_new: int) -> list[list[int]]:
-        return hf_generate_batch(hf_model, prompts, n_new)
+        return hf_fixed_length(hf_model, prompts, n_new)
 
     def ours_generate(n_new: int) -> list[list[int]]:
         return gen.generate_ids(prompts, SamplingParams(max_new_tokens=n_new))

@@ -2,15 +2,16 @@
 
 The evaluation workload is many samples of one prompt, each ending at its own stop string. Here:
 
-- **One prefill per prompt.** A prompt's keys and values (and the logits of its last position) are computed
-  once, batch 1, then copied into the slot of each of its samples: n samples cost one prefill, not n.
+- **One prefill per prompt, its keys and values shared.** A prompt's keys and values (and the logits of its last
+  position) are computed once, batch 1, and stored once as a prefix that each of its samples' slots points at: n
+  samples cost one prefill, not n, and each decoding step reads the prompt's keys and values once for all n.
 - **Finished rows leave at once.** When a row ends (end-of-document, an end id, a stop string, its max new
   tokens), the next waiting sample takes its slot -- from the same prompt or the next one, so one batch spans
   tasks -- and when none waits, the last busy slot moves into the hole: every step decodes busy rows only.
 - **Stop strings incrementally** (``stops.py``): O(1) decoding per new token.
 
-The slots (``model/kv_slots.py``) are allocated once: ``slots`` rows of ``capacity`` = longest prompt + max new
-tokens - 1 positions. Samples enter in order (prompt 0's samples 0..n-1, then prompt 1's, ...) and come out as
+The slots (``model/kv_slots.py``) are allocated once: ``slots`` rows of max new tokens - 1 positions, and
+min(slots, prompts) prefixes of the longest prompt's. Samples enter in order (prompt 0's samples 0..n-1, then prompt 1's, ...) and come out as
 they finish, as (prompt * n + sample, token ids).
 
 **Random streams.** Sample j of prompt i draws from its own ``torch.Generator`` seeded ``row_seed(seed, i, j)``
@@ -57,24 +58,28 @@ def stream_batches(gen, prompt_ids: list[list[int]], params: SamplingParams, max
     Generator (its model, ``prefill``, ``decode_step``, ``choose``); ``max_new[i]``: prompt i's limit (> 0)."""
     n_rows = len(prompt_ids) * num_samples
     slots = max(1, min(slots, n_rows))
-    capacity = max(len(p) + m - 1 for p, m in zip(prompt_ids, max_new))
-    cache = gen.model.new_kv_slots(slots, max(capacity, max(map(len, prompt_ids))))
+    # A row feeds back all its new tokens but the last; each busy prefix has a busy row, so <= slots are in use.
+    cache = gen.model.new_kv_slots(slots, max(1, max(max_new) - 1), prefixes=min(slots, len(prompt_ids)),
+                                   prefix_capacity=max(map(len, prompt_ids)))
     waiting = deque((i, j) for i in range(len(prompt_ids)) for j in range(num_samples))
     stop_ids = {gen.eod, *end_ids} - {None}
     rows: list[Row] = []
     decoded: torch.Tensor | None = None  # logits (len(rows), v) of the last decoding step
-    prefilled: tuple[int, torch.Tensor] | None = None  # (prompt, logits (1, v)) of the prompt being admitted
-    prefill_cache = None
+    loaded: dict[int, list] = {}  # prompt -> [its prefix, the logits (1, v) of its last position, rows busy]
+    free = list(range(cache.prefixes))  # prefixes not in use; the lowest is taken (the step reads 0 .. highest used)
     while rows or waiting:
         fresh: list[torch.Tensor] = []  # the first-token logits of the rows admitted now: their prompt's
         while waiting and len(rows) < slots:  # waiting samples take the free slots, prompt by prompt
             i, j = waiting.popleft()
-            if prefilled is None or prefilled[0] != i:
+            if i not in loaded:
                 prefill_cache, logits = gen.prefill(prompt_ids[i])
-                prefilled = (i, logits)
-            cache.load(len(rows), prefill_cache, len(prompt_ids[i]))
+                prefix = free.pop(free.index(min(free)))
+                cache.load_prefix(prefix, prefill_cache, len(prompt_ids[i]))
+                loaded[i] = [prefix, logits, 0]
+            cache.attach(len(rows), loaded[i][0])
+            loaded[i][2] += 1
             rows.append(Row(i, j, max_new[i], sample_streams(params, i, j)))
-            fresh.append(prefilled[1])
+            fresh.append(loaded[i][1])
         logits = torch.cat(([] if decoded is None else [decoded]) + fresh)  # (len(rows), v) in slot order
         chosen = gen.choose(logits, params, rows).tolist()
         finished = []
@@ -92,6 +97,9 @@ def stream_batches(gen, prompt_ids: list[list[int]], params: SamplingParams, max
                 cache.move(last, k)
                 rows[k] = rows[last]
             rows.pop()
+            loaded[row.prompt][2] -= 1
+            if loaded[row.prompt][2] == 0 and not (waiting and waiting[0][0] == row.prompt):
+                free.append(loaded.pop(row.prompt)[0])  # its last sample: the prefix is free
             yield row.prompt * num_samples + row.sample, row.tokens
         decoded = None
         if rows:

@@ -9,9 +9,10 @@ The top query layer caches like the others: its keys and values come from the fi
 each position, its query from the top query embedding of the position being processed, so one decoding
 step is the same maths as the full forward's last position.
 
-**Batches** (``batching.py``): each prompt is prefilled once, alone, and its keys and values copied into the
-decoding slot of each of its samples (``model/kv_slots.py``: every slot holds one sequence from column 0 at its own
-length, positions counting from its first token); a finished sample leaves its slot to the next waiting one, and
+**Batches** (``batching.py``): each prompt is prefilled once, alone, and its keys and values stored once as a
+prefix that the decoding slot of each of its samples points at (``model/kv_slots.py``: a slot holds only its own
+sample's new tokens; a step reads each prefix once for all its rows); a finished sample leaves its slot to the next
+waiting one, and
 stop strings are checked incrementally (``stops.py``). ``use_cache=False`` is the reference: every sample a row of
 one left-padded batch recomputed whole at every step (padding masked out of every attention), stop strings looked
 for in the whole text -- the same tokens.

@@ -2,7 +2,8 @@
 
 The order is Hugging Face's (``generate``'s logits warpers): divide by the temperature, keep the top k,
 then the smallest set of most likely tokens whose probability reaches top_p, and sample from what is
-left. Temperature 0 is greedy (argmax; the lowest id among ties) and ignores top-k and top-p.
+left. Ties with the last token a filter keeps are kept too (a row's kept set never depends on how a sort orders
+equal values). Temperature 0 is greedy (argmax; the lowest id among ties) and ignores top-k and top-p.
 
 **The draw** is an inverse CDF: one uniform u in [0, 1) per row, and the token is the first id (in vocabulary
 order) at which the cumulative probability of the kept tokens exceeds u times their total. So a row's token is a
@@ -15,6 +16,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -57,15 +59,39 @@ def top_k_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
     return scores < kth
 
 
+# Most nuclei at code models' temperatures hold a few dozen tokens: the first look is at this many candidates (a
+# partial top-k, ~15x cheaper than sorting a row of 8k-50k); a row whose nucleus is wider is sorted whole.
+NUCLEUS_CANDIDATES = 64
+
+
+def _nucleus_floor(descending: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(floor, found) for rows of probabilities sorted in descending order: floor = the probability at the first
+    place where their running sum reaches p; found = whether it does within these columns."""
+    reached = descending.cumsum(dim=-1) >= p
+    found = reached.any(dim=-1)
+    first = torch.where(found, reached.to(torch.int8).argmax(dim=-1), descending.shape[-1] - 1)
+    return descending.gather(-1, first[:, None]).squeeze(-1), found
+
+
+def _sorted_descending(rows: torch.Tensor) -> torch.Tensor:
+    """Each row's values in descending order (on CPU by numpy, whose sort is ~7x torch's there)."""
+    if rows.device.type == "cpu":
+        return torch.from_numpy(np.ascontiguousarray(np.sort(rows.numpy(), axis=-1)[:, ::-1]))
+    return torch.sort(rows, dim=-1, descending=True).values
+
+
 def top_p_mask(scores: torch.Tensor, p: float) -> torch.Tensor:
-    """True for the tokens outside the nucleus: the smallest set of most likely tokens whose probability
-    sums to at least ``p`` (the most likely token is always kept)."""
-    sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
-    probs = torch.softmax(sorted_scores, dim=-1)
-    before = probs.cumsum(dim=-1) - probs  # probability of the more likely tokens
-    remove_sorted = before >= p
-    remove_sorted[..., 0] = False
-    return torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
+    """True for the tokens outside the nucleus: the fewest most likely tokens whose probability sums to at least
+    ``p``, and every token as likely as the least likely of them (ties are kept, as in ``top_k_mask``; the most
+    likely token always is). A row's nucleus depends on that row alone: the candidates a row is looked at through
+    (a partial top-k, then a full sort for a row whose nucleus is wider) give the same floor."""
+    probs = torch.softmax(scores, dim=-1)
+    k = min(NUCLEUS_CANDIDATES, probs.shape[-1])
+    floor, found = _nucleus_floor(torch.topk(probs, k, dim=-1).values, p)
+    wide = (~found).nonzero().flatten()
+    if len(wide) and k < probs.shape[-1]:
+        floor[wide] = _nucleus_floor(_sorted_descending(probs[wide]), p)[0]
+    return probs < floor[:, None]  # a row whose probabilities never reach p (rounding): all kept
 
 
 def filtered_scores(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -88,16 +114,27 @@ def row_seed(seed: int, prompt: int, sample: int) -> int:
 
 def choose_tokens(logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor | None) -> torch.Tensor:
     """The next token of each row of ``logits`` (b, v): (b,) int64. Greedy ignores ``uniforms``; otherwise row i
-    takes the first id whose cumulative kept probability exceeds ``uniforms[i]`` (in [0, 1)) times the total."""
+    takes the first id whose cumulative kept probability exceeds ``uniforms[i]`` (in [0, 1)) times the total.
+
+    The running sum only needs the kept ids (in id order): they are gathered first, as many columns as the widest
+    row keeps, a shorter row padded with probability 0. Adding 0.0 leaves a float64 sum exactly
+    as it was, so every row's token is the one the running sum over its whole vocabulary gives."""
     if params.greedy:
         return logits.argmax(dim=-1)
     probs = torch.softmax(filtered_scores(logits, params), dim=-1)
+    row, kept_id = (probs > 0).nonzero(as_tuple=True)  # row by row, ids ascending
+    counts = torch.bincount(row, minlength=probs.shape[0])
+    width = int(counts.max())
+    place = torch.arange(len(row), device=row.device) - (counts.cumsum(0) - counts)[row]  # index within the row
+    ids = torch.zeros(probs.shape[0], width, dtype=torch.long, device=probs.device)
+    ids[row, place] = kept_id
+    probs = probs.new_zeros(ids.shape).index_put_((row, place), probs[row, kept_id])  # (b, width), 0 padded
     cdf = probs.double().cumsum(dim=-1)  # float64: the targets near 1 must not fall past the last kept id
     target = uniforms.to(device=cdf.device, dtype=torch.float64) * cdf[:, -1]
     chosen = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1)
     # u * total can round up to total itself: take the last id with probability > 0 instead
-    last_kept = probs.shape[-1] - 1 - (probs.flip(-1) > 0).to(torch.int8).argmax(dim=-1)
-    return torch.minimum(chosen, last_kept)
+    last_kept = width - 1 - (probs.flip(-1) > 0).to(torch.int8).argmax(dim=-1)
+    return ids.gather(-1, torch.minimum(chosen, last_kept)[:, None]).squeeze(-1)
 
 
 def sample_next_tokens(logits: torch.Tensor, params: SamplingParams,

@@ -179,12 +179,14 @@ class CodeGeeXModel(nn.Module):
         return KVCache(attentions, batch_size, capacity, self.config.num_attention_heads // self.tp_size,
                        self.config.head_dim, dtype=weight.dtype, device=weight.device)
 
-    def new_kv_slots(self, slots: int, capacity: int) -> KVSlots:
-        """Empty KVSlots (continuous batching, kv_slots.py) for the same attentions, heads, dtype and device."""
+    def new_kv_slots(self, slots: int, capacity: int, *, prefixes: int, prefix_capacity: int) -> KVSlots:
+        """Empty KVSlots (continuous batching, kv_slots.py): ``slots`` rows of ``capacity`` new tokens each, sharing
+        ``prefixes`` prompts of up to ``prefix_capacity`` tokens; the same attentions, heads, dtype and device."""
         weight = next(self.parameters())
         attentions = len(self.layers) + int(self.post_process and self.config.top_query_layer)
         return KVSlots(attentions, slots, capacity, self.config.num_attention_heads // self.tp_size,
-                       self.config.head_dim, dtype=weight.dtype, device=weight.device)
+                       self.config.head_dim, prefixes=prefixes, prefix_capacity=prefix_capacity, dtype=weight.dtype,
+                       device=weight.device)
 
     def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
                 gather_logits: bool = False, kv_cache: KVCache | KVSlots | None = None,

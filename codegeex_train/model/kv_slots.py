@@ -1,61 +1,85 @@
-"""A key/value cache of fixed slots, one sequence each at its own length: what continuous batching decodes in.
+"""A key/value cache of fixed slots sharing their prompts' keys and values: what continuous batching decodes in.
 
-``KVCache`` (attention.py) holds one batch that grows together, left-padded. Here every slot holds one sequence
-from column 0 to its own length, so a slot can be emptied and refilled (a finished sample leaves, a new one takes
-its place) without touching the others, and the buffers are allocated once for the whole run:
+``KVCache`` (attention.py) holds one batch that grows together, left-padded. Here the n samples of a prompt share
+one copy of its keys and values (a **prefix**, stored once), and every slot holds only its own sample's new tokens
+from column 0 to its own length. A slot can be emptied and refilled (a finished sample leaves, a new one takes its
+place) without touching the others, and every buffer is allocated once for the whole run:
 
-    slots = model.new_kv_slots(slots=16, capacity=prompt + new tokens)
-    slots.load(row, prefill_cache, length)        # a prompt's keys/values, computed once, into slot ``row``
+    slots = model.new_kv_slots(slots=16, capacity=max new tokens, prefixes=4, prefix_capacity=longest prompt)
+    slots.load_prefix(p, prefill_cache, length)   # a prompt's keys/values, computed once, into prefix ``p``
+    slots.attach(row, p)                          # slot ``row`` starts a sample of that prompt
     slots.rows = b                                # the next forward decodes slots 0 .. b-1, one token each
     logits = model(next_ids, slots.positions(), kv_cache=slots, gather_logits=True, last_token_only=True)
     slots.move(src, dst)                          # compaction: the last busy slot fills a freed one
 
-A decoding step writes each row's new key and value at column ``length[row]`` and attends over columns
-0 .. max length, each row masked to its own; keys of a shorter row beyond its length are masked out (stale
-values of an earlier occupant included). The model calls ``begin``/``slot(i).attend``/``commit`` as for KVCache.
+A decoding step writes each row's new key and value at column ``length[row]`` of its slot and attends over its
+prefix and its slot together (one softmax over both). The prefixes are read once per step for all their rows (the
+rows of a prefix go through one matmul, as a group), not once per row: n samples of a 600-token prompt read its
+keys and values once instead of n times, the step's dominant memory traffic. Keys of a shorter row or prefix
+beyond its length are masked out (stale values of an earlier occupant included). The model calls
+``begin``/``slot(i).attend``/``commit`` as for KVCache.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from codegeex_train.model.attention import KVCache, KVCacheSlot
+from codegeex_train.model.attention import KVCache
 
 
 class KVSlots:
-    """(attentions, slots, heads/tp, capacity, d) keys and values; ``lengths`` (slots,) cached tokens per slot."""
+    """Prefixes (attentions, prefixes, heads/tp, prefix_capacity, d) and slots (attentions, slots, heads/tp,
+    capacity, d) of keys and values; each slot points at one prefix and holds ``lengths[row]`` tokens of its own."""
 
     def __init__(self, num_attentions: int, slots: int, capacity: int, heads_per_partition: int, head_dim: int,
-                 *, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+                 *, prefixes: int, prefix_capacity: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None):
         shape = (num_attentions, slots, heads_per_partition, capacity, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
-        self.slots, self.capacity = slots, capacity
-        self.lengths = [0] * slots  # host copy: the mask's width without a device sync
+        prefix_shape = (num_attentions, prefixes, heads_per_partition, prefix_capacity, head_dim)
+        self.prefix_keys = torch.zeros(prefix_shape, dtype=dtype, device=device)
+        self.prefix_values = torch.zeros(prefix_shape, dtype=dtype, device=device)
+        self.slots, self.capacity, self.prefixes, self.prefix_capacity = slots, capacity, prefixes, prefix_capacity
+        self.scale = 1.0 / math.sqrt(head_dim)
+        self.device = self.keys.device
+        # host copies: the step's shapes without a device sync
+        self.lengths = [0] * slots
+        self.prefix_of = [0] * slots
+        self.prefix_lengths = [0] * prefixes
         self._lengths = torch.zeros(slots, dtype=torch.long, device=device)
         self._rows = torch.arange(slots, device=device)
         self.rows = 0  # slots 0 .. rows-1 take part in the next forward
-        self.mask: torch.Tensor | None = None
-        self._end = 0
+        self.step: _Step | None = None
 
     def positions(self) -> torch.Tensor:
-        """(rows, 1): the position of each decoding row's next token (= its cached length)."""
-        return self._lengths[:self.rows, None].clone()
+        """(rows, 1): the position of each decoding row's next token (its prefix's length + its own)."""
+        b = self.rows
+        return torch.tensor([[self.prefix_lengths[self.prefix_of[r]] + self.lengths[r]] for r in range(b)],
+                            dtype=torch.long, device=self.device)
 
-    def load(self, row: int, cache: KVCache, length: int, index: int = 0) -> None:
-        """Slot ``row`` := the first ``length`` cached positions of row ``index`` of a prefilled, unpadded KVCache
-        with the same attentions."""
-        if length > self.capacity:
-            raise ValueError(f"a sequence of {length} tokens does not fit the {self.capacity} cached positions")
-        self.keys[:, row, :, :length] = cache.keys[:, index, :, :length]
-        self.values[:, row, :, :length] = cache.values[:, index, :, :length]
-        self._set_length(row, length)
+    def load_prefix(self, prefix: int, cache: KVCache, length: int, index: int = 0) -> None:
+        """Prefix ``prefix`` := the first ``length`` cached positions of row ``index`` of a prefilled, unpadded
+        KVCache with the same attentions."""
+        if length > self.prefix_capacity:
+            raise ValueError(f"a prompt of {length} tokens does not fit the {self.prefix_capacity} prefix positions")
+        self.prefix_keys[:, prefix, :, :length] = cache.keys[:, index, :, :length]
+        self.prefix_values[:, prefix, :, :length] = cache.values[:, index, :, :length]
+        self.prefix_lengths[prefix] = length
+
+    def attach(self, row: int, prefix: int) -> None:
+        """Slot ``row`` starts a new sample of prefix ``prefix``'s prompt (no tokens of its own yet)."""
+        self.prefix_of[row] = prefix
+        self._set_length(row, 0)
 
     def move(self, src: int, dst: int) -> None:
-        """Slot ``dst`` := slot ``src`` (its cached positions only)."""
+        """Slot ``dst`` := slot ``src`` (its prefix and its own cached positions)."""
         n = self.lengths[src]
         self.keys[:, dst, :, :n] = self.keys[:, src, :, :n]
         self.values[:, dst, :, :n] = self.values[:, src, :, :n]
+        self.prefix_of[dst] = self.prefix_of[src]
         self._set_length(dst, n)
 
     def _set_length(self, row: int, length: int) -> None:
@@ -70,29 +94,79 @@ class KVSlots:
         b = self.rows
         if not 0 < b <= self.slots:
             raise ValueError(f"KVSlots.rows = {b}: set it to the number of decoding rows (1 .. {self.slots})")
-        lengths = self.lengths[:b]
-        self._end = max(lengths) + 1
-        if self._end > self.capacity:
-            raise ValueError(f"KV slots hold {self.capacity} positions; a row has {self._end - 1} cached + 1 new")
-        if min(lengths) == self._end - 1:
-            self.mask = None  # every row at the same length: every key visible
-        else:
-            columns = torch.arange(self._end, device=self._lengths.device)
-            self.mask = (columns[None, :] <= self._lengths[:b, None])[:, None, None, :]  # (b, 1, 1, end)
+        if max(self.lengths[:b]) + 1 > self.capacity:
+            raise ValueError(f"KV slots hold {self.capacity} positions; a row has {max(self.lengths[:b])} cached + 1 "
+                             f"new")
+        self.step = _Step(self, b)
 
-    def update(self, index: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, index: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write attention ``index``'s new keys and values (b, heads/tp, 1, d) at each row's own column."""
         b = self.rows
         rows, columns = self._rows[:b], self._lengths[:b]
         self.keys[index, rows, :, columns] = k[:, :, 0]
         self.values[index, rows, :, columns] = v[:, :, 0]
-        return self.keys[index, :b, :, :self._end], self.values[index, :b, :, :self._end]
 
     def commit(self) -> None:
         b = self.rows
         self._lengths[:b] += 1
         self.lengths[:b] = [n + 1 for n in self.lengths[:b]]
-        self.mask = None
+        self.step = None
 
-    def slot(self, index: int) -> KVCacheSlot:
-        return KVCacheSlot(self, index)
+    def slot(self, index: int) -> "KVSlotsAttention":
+        return KVSlotsAttention(self, index)
+
+
+class _Step:
+    """What every attention of one decoding step shares: the rows grouped by prefix, the masks, the widths."""
+
+    def __init__(self, slots: KVSlots, b: int):
+        device = slots.device
+        prefix_of = slots.prefix_of[:b]
+        self.used = max(prefix_of) + 1  # prefixes 0 .. used-1 are read (the lowest free one is always taken)
+        groups: list[list[int]] = [[] for _ in range(self.used)]
+        place = []  # row -> its place (prefix, index in the group)
+        for r, p in enumerate(prefix_of):
+            place.append((p, len(groups[p])))
+            groups[p].append(r)
+        width = max(map(len, groups))
+        # (used, width) rows of each prefix's group; b (a zero query row) where a group is shorter
+        self.group_rows = torch.tensor([g + [b] * (width - len(g)) for g in groups], dtype=torch.long, device=device)
+        self.group_of = torch.tensor([p for p, _ in place], dtype=torch.long, device=device)
+        self.index_in_group = torch.tensor([j for _, j in place], dtype=torch.long, device=device)
+        lengths = [slots.prefix_lengths[p] if groups[p] else 1 for p in range(self.used)]
+        self.prefix_end = max(lengths)
+        columns = torch.arange(self.prefix_end, device=device)
+        self.prefix_mask = (columns[None, :] < torch.tensor(lengths, device=device)[:, None])[:, None, None, :]
+        self.end = max(slots.lengths[:b]) + 1  # own columns 0 .. end-1 (the new token's included)
+        own = torch.arange(self.end, device=device)
+        self.own_mask = (own[None, :] <= slots._lengths[:b, None])[:, None, None, :]  # (b, 1, 1, end)
+
+
+class KVSlotsAttention:
+    """One attention's view of KVSlots: store this step's keys and values, attend over prefix + own tokens."""
+
+    def __init__(self, slots: KVSlots, index: int):
+        self.slots, self.index = slots, index
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q, k, v (b, n/tp, 1, d) -> (b, n/tp, 1, d): softmax over [the row's prefix, its own tokens] (no dropout)."""
+        slots, step, i = self.slots, self.slots.step, self.index
+        slots.update(i, k, v)
+        b, heads, _, d = q.shape
+        own_keys = slots.keys[i, :b, :, :step.end]
+        own_values = slots.values[i, :b, :, :step.end]
+        prefix_keys = slots.prefix_keys[i, :step.used, :, :step.prefix_end]  # (used, n/tp, P, d)
+        prefix_values = slots.prefix_values[i, :step.used, :, :step.prefix_end]
+        q = q * slots.scale
+        # Each prefix's rows as one group: (used, n/tp, width, d) @ (used, n/tp, d, P), the prefix read once.
+        padded = torch.cat([q[:, :, 0], q.new_zeros(1, heads, d)])  # (b + 1, n/tp, d)
+        grouped = padded[step.group_rows].transpose(1, 2)  # (used, n/tp, width, d)
+        prefix_scores = (grouped @ prefix_keys.transpose(-1, -2)).masked_fill(~step.prefix_mask, float("-inf"))
+        prefix_scores = prefix_scores[step.group_of, :, step.index_in_group]  # (b, n/tp, P)
+        own_scores = (q @ own_keys.transpose(-1, -2)).masked_fill(~step.own_mask, float("-inf"))  # (b, n/tp, 1, E)
+        scores = torch.cat([prefix_scores[:, :, None], own_scores], dim=-1)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # fp32 softmax under bf16 too
+        prefix_probs, own_probs = probs.split([step.prefix_end, step.end], dim=-1)
+        padded = torch.cat([prefix_probs[:, :, 0], prefix_probs.new_zeros(1, heads, step.prefix_end)])
+        from_prefix = padded[step.group_rows].transpose(1, 2) @ prefix_values  # (used, n/tp, width, d)
+        return from_prefix[step.group_of, :, step.index_in_group][:, :, None] + own_probs @ own_values

@@ -95,13 +95,16 @@ def test_incremental_stop_strings_answer_as_the_whole_text():
 
 def test_slots_refuse_what_they_cannot_hold():
     model = CodeGeeXModel(tiny_config(), None, None, seed=1).eval()
-    slots = model.new_kv_slots(2, 4)
+    slots = model.new_kv_slots(2, 3, prefixes=1, prefix_capacity=4)
     cache = model.new_kv_cache(1, 5)
-    with pytest.raises(ValueError, match="does not fit the 4 cached positions"):
-        slots.load(0, cache, 5)
+    with pytest.raises(ValueError, match="does not fit the 4 prefix positions"):
+        slots.load_prefix(0, cache, 5)
     with pytest.raises(ValueError, match="rows = 0"):
         model(torch.tensor([[1]]), torch.tensor([[0]]), kv_cache=slots)
-    slots.load(0, cache, 4)
+    slots.load_prefix(0, cache, 4)
+    slots.attach(0, 0)
     slots.rows = 1
-    with pytest.raises(ValueError, match="hold 4 positions"):
-        model(torch.tensor([[1]]), torch.tensor([[4]]), kv_cache=slots)
+    for _ in range(3):
+        model(torch.tensor([[1]]), slots.positions(), kv_cache=slots)
+    with pytest.raises(ValueError, match="hold 3 positions"):
+        model(torch.tensor([[1]]), slots.positions(), kv_cache=slots)

@@ -11,7 +11,7 @@ import torch
 from gen_helpers import SAMPLING, tiny_config
 
 from codegeex_train.generation import Generator, SamplingParams, sample_next_tokens, top_k_mask, top_p_mask
-from codegeex_train.generation.sampling import filtered_scores
+from codegeex_train.generation.sampling import choose_tokens, filtered_scores
 from codegeex_train.model import CodeGeeXModel
 
 PROBS = torch.tensor([[0.05, 0.5, 0.15, 0.3]])  # sorted: 1 (0.5), 3 (0.3), 2 (0.15), 0 (0.05)
@@ -48,6 +48,74 @@ def test_top_p_per_row():
     logits = torch.stack([LOGITS[0], torch.tensor([0.7, 0.1, 0.1, 0.1]).log()])
     mask = top_p_mask(logits, 0.6)
     assert (~mask).tolist() == [[False, True, False, True], [True, False, False, False]]
+
+
+def test_top_p_keeps_ties():
+    """The least likely token of the nucleus brings its ties along (as top-k does)."""
+    assert kept(top_p_mask(torch.tensor([[0.3, 0.4, 0.3]]).log(), 0.5)) == [0, 1, 2]
+    assert kept(top_p_mask(torch.tensor([[0.3, 0.4, 0.3]]).log(), 0.4)) == [1]
+
+
+def reference_nucleus(scores: torch.Tensor, p: float) -> torch.Tensor:
+    """Kept mask by a full sort of each row alone, in float64 plain Python order: the fewest most likely tokens
+    reaching p, with the ties of the least likely of them."""
+    out = torch.zeros_like(scores, dtype=torch.bool)
+    for i, row in enumerate(torch.softmax(scores, dim=-1)):
+        ranked = sorted(row.tolist(), reverse=True)
+        running = torch.tensor(ranked).cumsum(0)  # float32 running sums, as the mask's
+        reached = (running >= p).nonzero()
+        floor = ranked[int(reached[0]) if len(reached) else -1]
+        out[i] = row >= floor
+    return out
+
+
+@pytest.mark.parametrize("p", [0.5, 0.95])
+def test_top_p_wide_and_narrow_rows(p):
+    """Rows whose nucleus is far wider than the first look's candidates (flat rows) and narrow ones (peaked) in
+    one batch, with ties: each row's kept set is the full sort's, and the same as the row's alone."""
+    g = torch.Generator().manual_seed(3)
+    v = 3000
+    flat = torch.randn(6, v, generator=g) * 0.1
+    peaked = torch.randn(6, v, generator=g) * 6.0
+    peaked[:, :4] = peaked[:, :4].max(dim=-1, keepdim=True).values  # ties at the top
+    scores = torch.cat([flat, peaked])[torch.randperm(12, generator=g)]
+    scores = (scores * 64).round() / 64  # more ties everywhere
+    mask = top_p_mask(scores, p)
+    widths = (~mask).sum(dim=-1)
+    assert widths.max() > 500 and widths.min() < 64  # both paths are taken
+    assert torch.equal(~mask, reference_nucleus(scores, p))
+    for i in range(len(scores)):
+        assert torch.equal(top_p_mask(scores[i:i + 1], p), mask[i:i + 1])
+
+
+def full_vocabulary_draw(logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor) -> torch.Tensor:
+    """The inverse CDF over every id of the vocabulary (no gathering), row by row."""
+    probs = torch.softmax(filtered_scores(logits, params), dim=-1)
+    cdf = probs.double().cumsum(dim=-1)
+    out = []
+    for row_probs, row_cdf, u in zip(probs, cdf, uniforms.tolist()):
+        i = int(torch.searchsorted(row_cdf, torch.tensor([u], dtype=torch.float64) * row_cdf[-1], right=True))
+        last = int((row_probs > 0).nonzero().max())
+        out.append(min(i, last))
+    return torch.tensor(out)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, top_p=0.95),
+                                    SamplingParams(temperature=1.3, top_k=40),
+                                    SamplingParams(temperature=0.5, top_k=300, top_p=0.9),
+                                    SamplingParams(temperature=1.0)])
+def test_choose_tokens_equals_full_vocabulary_draw(params):
+    """Gathering the kept ids before the running sum changes no draw: against the running sum over every id, on
+    rows of very different widths, with uniforms at 0 and next to 1."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(40, 2000, generator=g) * torch.linspace(0.05, 8.0, 40)[:, None]
+    logits = (logits * 16).round() / 16
+    uniforms = torch.rand(40, generator=g, dtype=torch.float64)
+    uniforms[:3] = torch.tensor([0.0, 1.0 - 2 ** -53, 0.5], dtype=torch.float64)
+    chosen = choose_tokens(logits, params, uniforms)
+    assert torch.equal(chosen, full_vocabulary_draw(logits, params, uniforms))
+    for i in range(0, 40, 7):  # a row alone draws what it draws in the batch
+        assert torch.equal(choose_tokens(logits[i:i + 1], params, uniforms[i:i + 1]), chosen[i:i + 1])
 
 
 # Eight tokens without ties, sorted: 1 (0.34), 5 (0.25), 3 (0.16), 4 (0.08), 7 (0.06), 0 (0.05), 2 (0.04), 6 (0.02).
