@@ -193,7 +193,9 @@ def bench_rank(topology, *, spec: Spec) -> dict | None:
     from deepspeed.utils import groups
 
     from codegeex_train.distributed.malloc import fix_malloc_thresholds
+    from codegeex_train.pretrain import skip_inference_comm_op
 
+    skip_inference_comm_op()  # as pretrain.main does: no JIT build of an op training never calls (40-75 s fresh)
     deepspeed.utils.logger.setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", category=FutureWarning)  # ZeRO's all_gather_into_tensor, every step
     fix_malloc_thresholds()  # as pretrain.main does on CPU: large tensors come from (and go back to) mmap

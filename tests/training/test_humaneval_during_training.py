@@ -16,13 +16,13 @@ class OneSolvedGenerator(Generator):
     is its canonical solution: the logged pass@1 must then be exactly 1/2, which no evaluation that skips
     generation or execution, or a trainer that drops the record, can log."""
 
-    def generate(self, prompts, params):
+    def stream(self, prompts, params, *, num_samples=1, batch_size=None):
         from codegeex_train.evaluation.problems import read_problems
 
-        completions = super().generate(prompts, params)
         solved = read_problems()[SOLVED]
         assert prompts.count(solved["prompt"]) == 1, "SOLVED is not among the tasks evaluated"
-        return [solved["canonical_solution"] if p == solved["prompt"] else c for p, c in zip(prompts, completions)]
+        for index, completion in super().stream(prompts, params, num_samples=num_samples, batch_size=batch_size):
+            yield index, solved["canonical_solution"] if prompts[index // num_samples] == solved["prompt"] else completion
 
 
 def run_pretrain_one_solved(topology, argv):
