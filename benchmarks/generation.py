@@ -165,6 +165,16 @@ def describe(counted: list[tuple[int, str]]) -> str:
 
 # --- HF generate --------------------------------------------------------------------------------------------
 
+def left_padded(batch: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask) of a batch left-padded with ``pad``, as HF documents for decoder-only batches."""
+    width = max(map(len, batch))
+    ids = torch.full((len(batch), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(batch), width, dtype=torch.long)
+    for i, p in enumerate(batch):
+        ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
+    return ids, mask
+
+
 def hf_generate(hf_model, hf_tok, prompt_ids: list[list[int]], n: int, params: SamplingParams, eod: int,
                 batched: bool) -> list[list[int]]:
     """n samples of each prompt by HF generate: new token ids per row (prompt-major), padded with ``eod`` after
@@ -176,13 +186,9 @@ def hf_generate(hf_model, hf_tok, prompt_ids: list[list[int]], n: int, params: S
     torch.manual_seed(params.seed)
     out: list[list[int]] = []
     for batch in ([prompt_ids] if batched else [[p] for p in prompt_ids]):
-        width = max(map(len, batch))
-        ids = torch.full((len(batch), width), eod, dtype=torch.long)
-        mask = torch.zeros(len(batch), width, dtype=torch.long)
-        for i, p in enumerate(batch):  # left padding, as HF documents for decoder-only batches
-            ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
+        ids, mask = left_padded(batch, eod)
         with torch.no_grad():
-            new = hf_model.generate(input_ids=ids, attention_mask=mask, **kwargs)[:, width:]  # (len(batch) n, <= max)
+            new = hf_model.generate(input_ids=ids, attention_mask=mask, **kwargs)[:, ids.shape[1]:]  # (len(batch) n, .)
         out.extend(new.tolist())
     return out
 
@@ -294,11 +300,8 @@ def random_prompts(args) -> list[list[int]]:
 
 
 def hf_fixed_length(hf_model, batch: list[list[int]], new_tokens: int) -> list[list[int]]:
-    width = max(map(len, batch))
-    ids = torch.zeros(len(batch), width, dtype=torch.long)
-    mask = torch.zeros(len(batch), width, dtype=torch.long)
-    for i, p in enumerate(batch):  # left padding, as HF documents for decoder-only batches
-        ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
+    ids, mask = left_padded(batch, 0)
+    width = ids.shape[1]
     with torch.no_grad():
         out = hf_model.generate(input_ids=ids.to(hf_model.device), attention_mask=mask.to(hf_model.device),
                                 max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)

@@ -11,8 +11,8 @@ The evaluation workload is many samples of one prompt, each ending at its own st
 - **Stop strings incrementally** (``stops.py``): O(1) decoding per new token.
 
 The slots (``model/kv_slots.py``) are allocated once: ``slots`` rows of max new tokens - 1 positions, and
-min(slots, prompts) prefixes of the longest prompt's. Samples enter in order (prompt 0's samples 0..n-1, then prompt 1's, ...) and come out as
-they finish, as (prompt * n + sample, token ids).
+min(slots, prompts) prefixes of the longest prompt's. Samples enter in order (prompt 0's samples 0..n-1, then
+prompt 1's, ...) and come out as they finish, as (prompt * n + sample, token ids).
 
 **Random streams.** Sample j of prompt i draws from its own ``torch.Generator`` seeded ``row_seed(seed, i, j)``
 (sampling.py), one uniform per new token, on CPU (the same numbers on any device). Its tokens therefore depend
@@ -25,6 +25,7 @@ depends on the batch size), which changes a token only where two candidates are 
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
@@ -43,6 +44,16 @@ class Row:
     max_new: int
     stream: torch.Generator | None
     tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Prefix:
+    """A prompt's prefix in the KV slots: its index there, the logits (1, v) of the prompt's last position, and how
+    many of its samples are decoding."""
+
+    index: int
+    logits: torch.Tensor
+    rows: int = 0
 
 
 def sample_streams(params: SamplingParams, prompt: int, sample: int) -> torch.Generator | None:
@@ -65,21 +76,21 @@ def stream_batches(gen, prompt_ids: list[list[int]], params: SamplingParams, max
     stop_ids = {gen.eod, *end_ids} - {None}
     rows: list[Row] = []
     decoded: torch.Tensor | None = None  # logits (len(rows), v) of the last decoding step
-    loaded: dict[int, list] = {}  # prompt -> [its prefix, the logits (1, v) of its last position, rows busy]
-    free = list(range(cache.prefixes))  # prefixes not in use; the lowest is taken (the step reads 0 .. highest used)
+    loaded: dict[int, _Prefix] = {}  # prompt -> its prefix
+    free = list(range(cache.prefixes))  # a heap of the prefixes not in use: the lowest is taken (a step reads 0 ..
+    # the highest in use)
     while rows or waiting:
         fresh: list[torch.Tensor] = []  # the first-token logits of the rows admitted now: their prompt's
         while waiting and len(rows) < slots:  # waiting samples take the free slots, prompt by prompt
             i, j = waiting.popleft()
             if i not in loaded:
                 prefill_cache, logits = gen.prefill(prompt_ids[i])
-                prefix = free.pop(free.index(min(free)))
-                cache.load_prefix(prefix, prefill_cache, len(prompt_ids[i]))
-                loaded[i] = [prefix, logits, 0]
-            cache.attach(len(rows), loaded[i][0])
-            loaded[i][2] += 1
+                loaded[i] = _Prefix(heapq.heappop(free), logits)
+                cache.load_prefix(loaded[i].index, prefill_cache, len(prompt_ids[i]))
+            cache.attach(len(rows), loaded[i].index)
+            loaded[i].rows += 1
             rows.append(Row(i, j, max_new[i], sample_streams(params, i, j)))
-            fresh.append(loaded[i][1])
+            fresh.append(loaded[i].logits)
         logits = torch.cat(([] if decoded is None else [decoded]) + fresh)  # (len(rows), v) in slot order
         chosen = gen.choose(logits, params, rows).tolist()
         finished = []
@@ -97,9 +108,9 @@ def stream_batches(gen, prompt_ids: list[list[int]], params: SamplingParams, max
                 cache.move(last, k)
                 rows[k] = rows[last]
             rows.pop()
-            loaded[row.prompt][2] -= 1
-            if loaded[row.prompt][2] == 0 and not (waiting and waiting[0][0] == row.prompt):
-                free.append(loaded.pop(row.prompt)[0])  # its last sample: the prefix is free
+            loaded[row.prompt].rows -= 1
+            if loaded[row.prompt].rows == 0 and not (waiting and waiting[0][0] == row.prompt):
+                heapq.heappush(free, loaded.pop(row.prompt).index)  # its last sample: the prefix is free
             yield row.prompt * num_samples + row.sample, row.tokens
         decoded = None
         if rows:

@@ -166,10 +166,13 @@ class Generator:
         """The text of ``completion_ids`` as it reads after the prompt, whitespace tokens as spaces."""
         context = prompt_ids[-_CONTEXT_TOKENS:]
         before, full = self.tokenizer.decode(context), self.tokenizer.decode(context + completion_ids)
-        text = full[len(before):] if full.startswith(before) else self.tokenizer.decode(completion_ids)
+        if not full.startswith(before):
+            return self._decode_alone(completion_ids)
+        text = full[len(before):]
         return decode_whitespace_tokens(text) if self._literal_whitespace else text
 
     def _decode_alone(self, ids: list[int]) -> str:
+        """The text of ``ids`` decoded on their own, whitespace tokens as spaces."""
         text = self.tokenizer.decode(ids)
         return decode_whitespace_tokens(text) if self._literal_whitespace else text
 
