@@ -34,16 +34,19 @@ from codegeex_train.accounting import CommCounter, Workload, comm_bytes_per_step
 from codegeex_train.accounting.fit import Host, check_run_memory
 from codegeex_train.accounting.memory import StepMemory
 from codegeex_train.checkpoint.async_save import async_checkpointer
-from codegeex_train.checkpoint.files import tokenizer_settings
+from codegeex_train.checkpoint.files import check_same_tokenizer, tokenizer_settings
 from codegeex_train.checkpoint.resume import Resume, preflight_load, restore
 from codegeex_train.checkpoint.retention import retention_hooks
+from codegeex_train.checkpoint.run_dir import ARCHIVE_DIR, archive_run, holds_run
 from codegeex_train.checkpoint.save_lock import SaveLockError, hold_save_dir
 from codegeex_train.checkpoint.train_state import TrainState
 from codegeex_train.config.arguments import Args, ConfigError, ParallelConfig, parse_args, validate
 from codegeex_train.config.config_file import dump_resolved, write_resolved
 from codegeex_train.config.deepspeed import build_deepspeed_config, load_user_config
+from codegeex_train.config.lr_schedule import LRScheduleShape, SchedulePolicy
 from codegeex_train.config.model_config import ModelConfig
 from codegeex_train.config.plan import ParallelPlan
+from codegeex_train.config.redaction import redact_secrets
 from codegeex_train.data.token_range import TokenIdError
 from codegeex_train.data.tokenizer import Tokenizer, load_tokenizer
 from codegeex_train.distributed.cluster import (
@@ -86,7 +89,7 @@ log = logging.getLogger("codegeex_train.pretrain")  # (`logger` in main is the m
 class Prepared:
     """What ``prepare`` checked and derived before any process group exists."""
 
-    args: Args  # as parsed
+    args: Args  # as parsed (under --use-checkpoint-opt_param-scheduler, the LR schedule a resume restores)
     model: ModelConfig  # args.model with the tokenizer's vocabulary
     plan: ParallelPlan
     ds_config: dict
@@ -99,7 +102,7 @@ def prepare(argv: list[str] | None) -> Prepared:
     (the tokenizer, with FIM's sentinels when --fim-rate asks for them), so that ``validate`` runs once, on the whole
     run, and the parsed ``args`` are never changed."""
     args = parse_args(argv)
-    setup_logging(args.logging.log_level, global_rank(), args.logging.log_all_ranks)
+    setup_logging(args.logging.log_level, global_rank(), args.logging.log_all_ranks, redact=redact_secrets)
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     try:
         tokenizer = load_tokenizer(args.data)
@@ -115,7 +118,7 @@ def prepare(argv: list[str] | None) -> Prepared:
     if args.train.dry_run_skip_data:
         log.info("dry run: data-file check skipped (--dry-run-skip-data: the data is built before the launch)")
     else:
-        preflight_data(args.data, model.padded_vocab_size)
+        preflight_data(args.data, model.padded_vocab_size, tokenizer)
     ds_config = build_deepspeed_config(args, plan, load_user_config(args.train.deepspeed_config))
     if gpu_ranks_checked_without_gpu(args):
         log.info("dry run: GPU memory check skipped: this host has no GPU to measure (the ranks run "
@@ -123,7 +126,14 @@ def prepare(argv: list[str] | None) -> Prepared:
     elif not args.train.skip_memory_check:  # what cannot fit is refused before anything is allocated
         check_run_memory(model, plan, args.train, args.data, ds_config, num_samples(args.train, plan),
                          Host.from_env(world_size, "cuda" if uses_cuda() else "cpu"))
-    resume = preflight_load(args.train, model, plan)
+    schedule = LRScheduleShape.from_flags(args.optim, args.train.train_iters, plan.global_batch_size)
+    resume = preflight_load(args.train, model, plan, schedule, args.optim.schedule_policy)
+    if resume is not None:  # the tokenizer the checkpoint was trained with (its fingerprint), if it records one
+        check_same_tokenizer(resume.meta.get("tokenizer"), tokenizer, args.data, f"--load {resume.load_dir} "
+                             f"({resume.tag})")
+    if (args.optim.schedule_policy is SchedulePolicy.USE_CHECKPOINT and resume is not None
+            and resume.schedule is not None and not resume.finetune):  # the run's schedule is the checkpoint's
+        args = dataclasses.replace(args, optim=dataclasses.replace(args.optim, **resume.schedule.flags()))
     if args.train.eval_humaneval_interval:  # a machine that cannot isolate samples stops the run now
         try:
             training_sandbox(args.train.unsafe_no_sandbox)
@@ -177,10 +187,23 @@ def warn_if_cpu_beside_gpus() -> None:
                     "to train on them")
 
 
+def start_description(prepared: Prepared) -> str:
+    """Where the run starts, in words (the dry run's report)."""
+    resume, t = prepared.resume, prepared.args.train
+    if resume is None:
+        start = "from scratch"
+    else:
+        start = f"--load {resume.load_dir} ({resume.tag}, {resume.kind.value})"
+        start += f": {resume.note}" if resume.note else ""
+    if t.start_over and holds_run(t.save):
+        start += (f"; --start-over: the run in --save {t.save} is first moved to "
+                  f"{os.path.join(t.save, ARCHIVE_DIR)}/N/")
+    return start
+
+
 def dry_run_report(prepared: Prepared) -> str:
     """What ``--dry-run`` prints once every check has passed."""
-    plan, resume = prepared.plan, prepared.resume
-    start = "from scratch" if resume is None else f"--load {resume.load_dir} ({resume.tag}, {resume.kind.value})"
+    plan, start = prepared.plan, start_description(prepared)
     return (f"dry run: every check passed at {plan.world_size} ranks (TP {plan.tp_size} x CP {plan.cp_size} x PP "
             f"{plan.pp_size} x DP {plan.dp_size}), start {start}; no process group was created and nothing was "
             f"written. The resolved config (pretrain --config takes it):\n{dump_resolved(prepared.args)}")
@@ -236,7 +259,8 @@ def main(argv: list[str] | None = None) -> TrainState | None:
         raise SystemExit(2) from None
     warn_if_cpu_beside_gpus()
     if prepared.args.train.dry_run:  # every check has run, before any process group or file
-        print(dry_run_report(prepared), flush=True)  # the command's result: shown whatever --log-level says
+        # the command's result: shown whatever --log-level says
+        print(redact_secrets(dry_run_report(prepared)), flush=True)
         return None
     args, model_config, plan, ds_config = prepared.args, prepared.model, prepared.plan, prepared.ds_config
     try:  # one writer per --save: global rank 0 holds its lock until main returns (or the process ends)
@@ -244,6 +268,11 @@ def main(argv: list[str] | None = None) -> TrainState | None:
     except SaveLockError as e:
         log.error(e)
         raise SystemExit(2) from None
+    if save_lock is not None and args.train.start_over:  # the old run moves aside before anything new is written
+        archived = archive_run(args.train.save)
+        if archived is not None:
+            log.info(f"--start-over: the run in --save {args.train.save} was moved to {archived} (nothing deleted; "
+                     f"--load {archived} resumes it); a relaunch of this command would start over again")
     owns_process_group = not dist.is_initialized()
     try:
         topology, device = init_distributed(args.parallel, plan.dims)
@@ -272,11 +301,14 @@ def main(argv: list[str] | None = None) -> TrainState | None:
             for r, chunks in enumerate(plan.chunk_layers)))
     log.info(expected_memory_report(workload))
     engine, state = restore(prepared.resume, model, topology, tracker, plan,
-                            lambda m: build_engine(m, args.optim, t.train_iters, ds_config, topology))
+                            lambda m: build_engine(m, args.optim, t.train_iters, ds_config, topology,
+                                                   plan.global_batch_size))
 
     if state.iteration >= t.train_iters:
+        schedule = prepared.resume.schedule
+        keep = f" with --lr-decay-iters {schedule.decay_iters} (its LR schedule as it was)" if schedule else ""
         log.info(f"--load {prepared.resume.load_dir} is at iteration {state.iteration} of --train-iters "
-                 f"{t.train_iters}: nothing to train; raise --train-iters to continue")
+                 f"{t.train_iters}: nothing to train; to continue it, raise --train-iters{keep}")
         return state  # (the process group goes with the process)
     train_ds, valid_ds, test_ds = build_datasets(args.data, t, plan, topology.rank, model_config.padded_vocab_size,
                                                 tokenizer=prepared.tokenizer)
@@ -311,13 +343,15 @@ def main(argv: list[str] | None = None) -> TrainState | None:
                               comm_theory=comm_bytes_per_step(workload, topology.pp_rank),
                               memory=lambda: StepMemory(engine.module, workload, topology.pp_rank, device))
     run = Run(plan, model_config, t, args.logging, topology, engine, tracker, device, logger, flops, peak,
-              tokenizer_settings=tokenizer_settings(args.data), resolved_config=dump_resolved(args),
+              tokenizer_settings=tokenizer_settings(args.data, prepared.tokenizer),
+              resolved_config=dump_resolved(args),
               exit_conditions=exit_conditions,
               measurement=measurement, evaluate_humaneval=humaneval, evaluate_infilling=infilling,
               masking=DocumentMasking.from_config(args.data, prepared.tokenizer.eod),
               step_context=step_context_from_environment(engine.module), profiling=profiling,
               checkpointer=async_checkpointer() if t.async_save and t.save else None,
-              after_commit=retention_hooks(t.keep_last_n_checkpoints, t.keep_every_n_iterations, topology.rank))
+              after_commit=retention_hooks(t.keep_last_n_checkpoints, t.keep_every_n_iterations, topology.rank,
+                                           state.run_id))
     try:
         state = train(run, state, train_loader, valid_loader, test_loader)
     except TokenIdError as e:  # data changed or damaged after the start-up scan: one line, the launcher ends the rest

@@ -336,6 +336,24 @@ def write_indexed_dataset(prefix, documents, dtype=None) -> None:
             builder.add_document(np.asarray(doc, dtype=dtype))
 
 
+def another_tokenizer(directory, name: str = "tokenizer.json") -> str:
+    """``directory/name``: the shipped tokenizer with two ordinary tokens' ids swapped, so the same 8192 ids (the
+    same padded vocabulary) that mean other tokens: a different tokenizer only its fingerprint tells apart."""
+    import json
+    from pathlib import Path
+
+    from codegeex_train.data.tokenizer import DEFAULT_TOKENIZER_PATH
+
+    backend = json.loads(Path(DEFAULT_TOKENIZER_PATH).read_text(encoding="utf-8"))
+    vocab = backend["model"]["vocab"]
+    first, second = (token for token, i in vocab.items() if i in (300, 301))
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    path = Path(directory) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(backend), encoding="utf-8")
+    return str(path)
+
+
 def all_gather_tensor(tensor: torch.Tensor, group=None, dim: int | None = None):
     """Every rank's ``tensor`` (same shape everywhere) in group-rank order: a list, or concatenated along ``dim``
     (e.g. TP shards back into the full tensor)."""
@@ -360,3 +378,28 @@ def fails_with(capsys, argv: list[str], *fragments: str) -> str:
         assert fragment in err[0], err[0]
     assert not dist.is_initialized()
     return err[0]
+
+
+def leaks(data: bytes, secrets: dict[str, str]) -> set[str]:
+    """The names of the ``secrets`` ({name: value}) whose value is in ``data``."""
+    return {name for name, value in secrets.items() if value.encode() in data}
+
+
+def scan(roots, secrets: dict[str, str]) -> dict[str, set[str]]:
+    """{file: names of the ``secrets`` found in it} under ``roots`` (files or directories): the credential tests'
+    search of everything a run wrote. Zip files (torch.save's format) are searched in each member as stored and
+    decompressed too."""
+    import zipfile
+    from pathlib import Path
+
+    found = {}
+    for root in map(Path, roots):
+        for path in [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file()):
+            hits = leaks(path.read_bytes(), secrets)
+            if zipfile.is_zipfile(path):
+                with zipfile.ZipFile(path) as archive:
+                    for member in archive.namelist():
+                        hits |= leaks(archive.read(member), secrets)
+            if hits:
+                found[str(path)] = hits
+    return found

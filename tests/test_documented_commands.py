@@ -539,7 +539,9 @@ def script_dry_run(env_doc: dict[str, str], args: list[str], tmp: Path) -> str:
     # Anything the script launches (it must launch nothing) records itself and fails; pretrain.py's own checks
     # (`--dry-run`) pass here: tests/scripts/test_dry_run.py runs them for real on the README's commands.
     for fake in ("deepspeed", "fake-python"):
-        checks = 'case " $* " in *" --dry-run "*) exit 0 ;; esac\n' if fake == "fake-python" else ""
+        # the fake python runs the script's config reader (it reads CONFIG's file) and passes pretrain.py's checks
+        checks = (f'[ "$1" = -m ] && exec {sys.executable} "$@"\ncase " $* " in *" --dry-run "*) exit 0 ;; esac\n'
+                  if fake == "fake-python" else "")
         _executable(bin_dir / fake, f'#!/bin/sh\n{checks}echo "{fake} $*" >> "{calls}"\nexit 1\n')
     env_doc = dict(env_doc)
     tp, pp = (int(env_doc.get(k, "1")) if env_doc.get(k, "1").isdigit() else 1 for k in ("TP", "PP"))  # for nodes

@@ -38,6 +38,7 @@ universal.py, and convert.py (re-splitting between layouts).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import resource
 import sys
@@ -48,6 +49,8 @@ from codegeex_train.checkpoint.files import TOKENIZER_FIELDS, CheckpointError
 from codegeex_train.checkpoint.hf_files import hf_weight_files, parse_size
 from codegeex_train.checkpoint.hf_format import DEFAULT_MAX_SHARD_BYTES, from_hf, to_hf
 from codegeex_train.checkpoint.retention import reading_checkpoint
+from codegeex_train.checkpoint.run_dir import new_checkpoint_dir
+from codegeex_train.checkpoint.save_lock import SaveLockError
 from codegeex_train.checkpoint.universal import to_universal
 from codegeex_train.config.arguments import DataConfig
 
@@ -155,24 +158,27 @@ def layout_of(args: argparse.Namespace) -> Layout:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     detail = ""
+    # Writing a new checkpoint: the directory's lock (no run or tool writes there meanwhile), and never over a run.
+    out = ("--save", args.save) if args.save else ("--to-universal", args.to_universal) if args.to_universal else None
     try:
-        if args.from_hf:
-            from_hf(args.from_hf, args.save, layout_of(args), args.make_vocab_size_divisible_by)
-        elif args.from_codegeex:
-            from_codegeex(args.from_codegeex, args.save, layout_of(args), args.num_attention_heads)
-        else:  # reading --load: a run saving there with --keep-last-n-checkpoints keeps its tag until done
-            with reading_checkpoint(args.load):
-                if args.to_codegeex:
-                    to_codegeex(args.load, args.to_codegeex)
-                elif args.to_hf:
-                    detail = f": {to_hf(args.load, args.to_hf, args.max_shard_bytes, args.tokenizer_flags)}"
-                elif args.to_universal:
-                    to_universal(args.load, args.to_universal)
-                else:
-                    reshard(args.load, args.save, layout_of(args))
+        with new_checkpoint_dir(out[1], out[0]) if out else contextlib.nullcontext():
+            if args.from_hf:
+                from_hf(args.from_hf, args.save, layout_of(args), args.make_vocab_size_divisible_by)
+            elif args.from_codegeex:
+                from_codegeex(args.from_codegeex, args.save, layout_of(args), args.num_attention_heads)
+            else:  # reading --load: a run saving there with --keep-last-n-checkpoints keeps its tag until done
+                with reading_checkpoint(args.load):
+                    if args.to_codegeex:
+                        to_codegeex(args.load, args.to_codegeex)
+                    elif args.to_hf:
+                        detail = f": {to_hf(args.load, args.to_hf, args.max_shard_bytes, args.tokenizer_flags)}"
+                    elif args.to_universal:
+                        to_universal(args.load, args.to_universal)
+                    else:
+                        reshard(args.load, args.save, layout_of(args))
     # Our errors for bad input (ModelConfigError, PipelineSplitError and the converters' are ValueErrors);
     # OSError: unreadable or unwritable paths, and transformers' report of an incomplete HF directory.
-    except (CheckpointError, ValueError, OSError) as e:
+    except (CheckpointError, SaveLockError, ValueError, OSError) as e:
         sys.exit(f"convert_checkpoint.py: error: {' '.join(str(e).split())}")
     print(f"wrote {args.save or args.to_hf or args.to_universal or args.to_codegeex}{detail} (peak memory "
           f"{peak_memory_bytes() / 2**30:.2f} GiB, max RSS)")

@@ -101,8 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     tok.add_argument("--tokenizer-type", help="HFTokenizer, GPT2BPETokenizer, SentencePieceTokenizer or "
                      "CodeGeeXTokenizer (CodeGeeX-13B's: GPT-2's files + its whitespace tokens) (default: the "
                      "checkpoint's, else the shipped tokenizer)")
-    tok.add_argument("--tokenizer-model", help="tokenizer.json (HFTokenizer), .model (SentencePiece), or for "
-                     "CodeGeeXTokenizer a tokenizer.json or Hugging Face tokenizer directory")
+    tok.add_argument("--tokenizer-model", help="tokenizer.json (HFTokenizer), .model (SentencePiece), or a Hugging "
+                     "Face tokenizer directory holding one")
     tok.add_argument("--vocab-file", help="GPT-2 vocab.json (GPT2BPETokenizer, CodeGeeXTokenizer)")
     tok.add_argument("--merge-file", help="GPT-2 merges.txt (GPT2BPETokenizer, CodeGeeXTokenizer)")
     tok.add_argument("--whitespace-encoding", action="store_true", help="CodeGeeX's whitespace tokens")

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gzip
 import json
 import os
 import re
@@ -50,6 +49,7 @@ import torch.distributed as dist
 from codegeex_train.checkpoint.files import TOKENIZER_FIELDS, CheckpointError, checkpoint_tokenizer
 from codegeex_train.config.arguments import ConfigError, DataConfig, ParallelConfig
 from codegeex_train.config.model_config import ModelConfig
+from codegeex_train.data.bounded_read import FileReadError, describe_size, read_text
 from codegeex_train.data.code_tokens import FIM_ORDERS
 from codegeex_train.data.tokenizer import TokenizerError, load_tokenizer
 from codegeex_train.distributed.cluster import ClusterError, join_process_group, rank_env_from_slurm
@@ -64,6 +64,8 @@ logger = get_logger("tools.generate")
 PARALLEL_FIELDS = ("tensor_model_parallel_size", "distributed_backend", "distributed_timeout_minutes")
 END_OF_PROMPT = "."  # interactive mode: a line holding only this ends a prompt
 _ESCAPE = re.compile(r"\\([nt\\])")
+# The most read of one input: a --prompt-file (decompressed), an --infill file, a prompt on stdin.
+MAX_INPUT_BYTES = 256 << 20
 
 
 class GenerateError(ValueError):
@@ -149,17 +151,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def read_prompt_file(path: str) -> list[dict]:
-    """Records with a "prompt": a jsonl file's objects, or the whole file as one prompt."""
-    file = Path(path)
-    if not file.is_file():
-        raise GenerateError(f"--prompt-file {path}: no such file")
+def not_utf8(text: str, where: str) -> None:
+    """GenerateError when ``text`` holds a lone surrogate: bytes that were not UTF-8 (Python decodes them so from the
+    command line and a C-locale stdin) or a JSON ``\\udXXX`` escape. No tokenizer can encode it."""
     try:
-        raw = gzip.decompress(file.read_bytes()) if file.suffix == ".gz" else file.read_bytes()
-        text = raw.decode("utf-8")
-    except (OSError, EOFError, UnicodeDecodeError) as e:
-        what = "gzip'd UTF-8 text" if file.suffix == ".gz" else "UTF-8 text"
-        raise GenerateError(f"--prompt-file {path}: cannot read it as {what}: {e}") from None
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        what = f"the byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"a lone surrogate U+{code:04X}"
+        raise GenerateError(f"{where}: not UTF-8 text ({what} at character {e.start}); give the text in UTF-8") \
+            from None
+
+
+def read_prompt_file(path: str) -> list[dict]:
+    """Records with a "prompt": a jsonl file's objects, or the whole file as one prompt (at most
+    ``MAX_INPUT_BYTES``, decompressed)."""
+    text = read_text(path, MAX_INPUT_BYTES, "--prompt-file", gunzip=Path(path).suffix == ".gz")
     lines = text.splitlines()
     first = next((line for line in lines if line.strip()), "")
     try:
@@ -185,17 +192,15 @@ def read_prompt_file(path: str) -> list[dict]:
 
 
 def read_infill_file(path: str, marker: str) -> dict:
-    """{"infill": path, "prefix", "suffix"}: the UTF-8 file split at its one ``marker``."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        why = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else (e.strerror or str(e))
-        raise GenerateError(f"--infill {path}: cannot read it ({why})") from None
+    """{"infill": path, "prefix", "suffix"}: the UTF-8 file (at most ``MAX_INPUT_BYTES``) split at its one
+    ``marker``."""
+    text = read_text(path, MAX_INPUT_BYTES, "--infill")
     prefix, suffix = split_at_marker(text, marker, f"--infill {path}")
     return {"infill": path, "prefix": prefix, "suffix": suffix}
 
 
 def check_infill(tokenizer, config: ModelConfig, fim: FimFormat, record: dict, where: str) -> None:
+    not_utf8(record["prefix"] + record["suffix"], where)
     n = len(fim.prompt_ids(tokenizer, record["prefix"], record["suffix"]))
     if n > config.max_position_embeddings:
         raise GenerateError(f"{where}: prefix and suffix are {n} tokens with the FIM sentinels; the model has "
@@ -203,6 +208,7 @@ def check_infill(tokenizer, config: ModelConfig, fim: FimFormat, record: dict, w
 
 
 def check_prompt(tokenizer, config: ModelConfig, prompt: str, where: str) -> None:
+    not_utf8(prompt, where)
     n = len(tokenizer.encode(prompt))
     if n == 0:
         raise GenerateError(f"{where}: the prompt is empty")
@@ -215,6 +221,9 @@ def prepare(args: argparse.Namespace, world_size: int):
     """Everything checkable before any process group: sampling flags, layout, tokenizer, checkpoint, prompts.
     Returns (sampling params, tokenizer, model config, records or None, the line saying which tokenizer, the FIM
     format when infilling else None)."""
+    for i, stop in enumerate(args.stop, 1):
+        not_utf8(stop, f"--stop (string {i})")
+    not_utf8(args.infill_marker, "--infill-marker")
     try:
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, seed=args.seed, stop=tuple(unescape(s) for s in args.stop))
@@ -271,18 +280,41 @@ def init_group(args: argparse.Namespace, world_size: int) -> tuple[object, torch
     return topology.tp_group, device
 
 
-def read_interactive(rank: int) -> tuple[str | None, bool]:
-    """(prompt, more): rank 0 reads lines from stdin until one holding only '.' (more prompts may follow) or
-    the end of input; every rank receives the same. The prompt is None when no line was read."""
-    message = (None, False)
-    if rank == 0:
-        lines, more = [], False
-        for line in sys.stdin:
-            if line.rstrip("\r\n") == END_OF_PROMPT:
-                more = True
-                break
+def read_stdin_prompt(stdin) -> tuple[str | None, bool]:
+    """(prompt, more): binary ``stdin``'s lines until one holding only '.' (more prompts may follow) or the end of
+    input, as UTF-8 text with text mode's line ends; None when no line was read. A prompt that is not UTF-8, or
+    past ``MAX_INPUT_BYTES`` (its rest read and dropped a bounded line at a time, so that the next prompt starts
+    after its '.'), is a GenerateError."""
+    lines, size, more = [], 0, False
+    while line := stdin.readline(MAX_INPUT_BYTES + 1):
+        if line.rstrip(b"\r\n") == END_OF_PROMPT.encode():
+            more = True
+            break
+        size += len(line)
+        if size <= MAX_INPUT_BYTES:
             lines.append(line)
-        message = ("".join(lines) if lines else None, more)
+        else:
+            lines.clear()  # hold none of it while the rest is skipped
+    if size > MAX_INPUT_BYTES:
+        raise GenerateError(f"a prompt on stdin: larger than {describe_size(MAX_INPUT_BYTES)}, the bound on one "
+                            f"prompt: refused")
+    if not lines:
+        return None, more
+    try:
+        return b"".join(lines).decode("utf-8").replace("\r\n", "\n").replace("\r", "\n"), more
+    except UnicodeDecodeError as e:
+        raise GenerateError(f"a prompt on stdin: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def read_interactive(rank: int) -> tuple[str | None, bool, str | None]:
+    """(prompt, more, error): rank 0 reads a prompt from stdin (``read_stdin_prompt``); every rank receives the
+    same. The prompt is None when no line was read, or when ``error`` says why it was refused."""
+    message = (None, False, None)
+    if rank == 0:
+        try:
+            message = (*read_stdin_prompt(sys.stdin.buffer), None)
+        except GenerateError as e:
+            message = (None, True, str(e))
     if dist.is_initialized():
         box = [message]
         dist.broadcast_object_list(box, src=0)
@@ -346,10 +378,12 @@ def interactive(gen: Generator, params: SamplingParams, config: ModelConfig, tok
                 f"generates and quits.")
     more = True
     while more:
-        prompt, more = read_interactive(rank)
-        if prompt is None:
-            continue
+        prompt, more, error = read_interactive(rank)
         try:
+            if error is not None:
+                raise GenerateError(error)
+            if prompt is None:
+                continue
             check_prompt(tokenizer, config, prompt, "prompt")
         except GenerateError as e:  # a bad prompt does not end the session
             if rank == 0:
@@ -374,7 +408,7 @@ def main(argv: list[str] | None = None) -> None:
     try:  # the same on every rank: rank 0 reports
         params, tokenizer, config, records, which_tokenizer, fim = prepare(args, world_size)
         sink = Sink(args.output, rank)
-    except (GenerateError, ConfigError, TokenizerError, CheckpointError, InfillError, OSError) as e:
+    except (GenerateError, ConfigError, TokenizerError, CheckpointError, InfillError, FileReadError, OSError) as e:
         fail(str(e), rank)
     logger.info(which_tokenizer)
     owns_group = world_size > 1 and not dist.is_initialized()

@@ -20,8 +20,11 @@ import math
 import sys
 from pathlib import Path
 
+from codegeex_train.data.bounded_read import FileReadError, decode_utf8, read_lines
+
 PROG = "plot_metrics.py"
 METRICS_FILE = "metrics.jsonl"
+MAX_METRICS_BYTES = 4 << 30  # the most read of one metrics file: a record per logged step, under 1 KiB each
 
 # (key in "train" records, panel title, y label); loss and communication are drawn separately.
 SIMPLE_PANELS = (
@@ -78,22 +81,21 @@ def load_run(run_dir: str | Path, label: str | None = None) -> Run:
     path = metrics_path(run_dir)
     by_split: dict[str, dict[int, dict]] = {}
     try:
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                line = line.strip()
-                if not line:
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if not isinstance(record, dict) or not isinstance(record.get("iteration"), int):
-                    continue
-                split = record.get("split", "train")
-                if isinstance(split, str):
-                    by_split.setdefault(split, {})[record["iteration"]] = record
-    except (OSError, UnicodeDecodeError) as e:
-        raise MetricsError(f"{path}: cannot read ({e})") from None
+        for number, raw in read_lines(path, MAX_METRICS_BYTES):
+            line = decode_utf8(raw, f"{path}:{number}").strip()
+            if not line:
+                continue
+            try:
+                record = json.loads(line)
+            except (json.JSONDecodeError, RecursionError):
+                continue
+            if not isinstance(record, dict) or not isinstance(record.get("iteration"), int):
+                continue
+            split = record.get("split", "train")
+            if isinstance(split, str):
+                by_split.setdefault(split, {})[record["iteration"]] = record
+    except FileReadError as e:  # not a regular file, over the bound, not UTF-8
+        raise MetricsError(str(e)) from None
     if not by_split.get("train"):
         raise MetricsError(f"{path}: no train records")
     if label is None:

@@ -26,10 +26,13 @@ Code data (docs/code-data.md): The Stack / StarCoderData rows (their field names
         --dedup near --decontaminate humaneval,mbpp --decontaminate-data mbpp=mbpp.jsonl \\
         --output-prefix data/stack --append-eod --workers 8
 
-A directory given to --input is one repository named after it (--input repos/* reads a folder of clones). The
+A directory given to --input is one repository named after it (--input repos/* reads a folder of clones): its
+regular files only, no symbolic link and no FIFO or device inside it (skipped and counted; --follow-symlinks follows
+links to files inside the same directory). The
 removed files are listed in PREFIX_dedup.json and PREFIX_decontamination.json; when the sentinels (<repo_name>,
 <file_sep>, FIM's) had to be appended to the tokenizer, it is saved as PREFIX_tokenizer.json: train with
---tokenizer-type HFTokenizer --tokenizer-model PREFIX_tokenizer.json.
+--tokenizer-type HFTokenizer --tokenizer-model PREFIX_tokenizer.json. Beside each dataset, DATASET.meta.json records
+the tokenizer's flags and fingerprint: training refuses the data with another tokenizer.
 
 Bad input (a missing file, a malformed JSON line, an unreadable tokenizer, a bad flag value, an unknown flag) ends
 with one `preprocess_data.py: error: ...` line and a non-zero exit; so do a dead tokenizer worker (the OOM killer), a
@@ -75,6 +78,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       help="JSON fields to extract; one output dataset per key")
     data.add_argument("--extensions", nargs="+", default=[".py"],
                       help="source file extensions searched for in directories")
+    data.add_argument("--follow-symlinks", action="store_true",
+                      help="in input directories, follow symbolic links to regular files inside the same directory "
+                      "(never out of it); by default no link in a directory is followed, and each one is skipped "
+                      "and counted, as are FIFOs, sockets and devices (inputs named here are read as named)")
     data.add_argument("--language-tag", action="store_true",
                       help="prefix each file-level document with CodeGeeX's '# language: X' line (the language from "
                       "--language-key or the path's extension)")
@@ -120,8 +127,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     tok = parser.add_argument_group("tokenizer")
     tok.add_argument("--tokenizer-type", default="HFTokenizer", choices=TOKENIZER_TYPES)
     tok.add_argument("--tokenizer-model", default=DEFAULT_TOKENIZER_PATH,
-                     help="tokenizer.json (HFTokenizer) or .model (SentencePieceTokenizer); "
-                     "default: the shipped 8192-token BPE")
+                     help="tokenizer.json (HFTokenizer) or .model (SentencePieceTokenizer), or a Hugging Face "
+                     "tokenizer directory holding one; default: the shipped 8192-token BPE")
     tok.add_argument("--vocab-file", help="GPT2BPETokenizer vocab (encoder.json / vocab.json)")
     tok.add_argument("--merge-file", help="GPT2BPETokenizer merges (vocab.bpe / merges.txt)")
     tok.add_argument("--whitespace-encoding", action="store_true",
@@ -242,6 +249,7 @@ def main(argv: list[str] | None = None) -> None:
             max_document_chars=args.max_document_chars,
             documents=args.documents,
             filters=filters,
+            follow_symlinks=args.follow_symlinks,
         )
     except (CorpusError, BenchmarkError, TokenizerError, IndexedDatasetError, WorkerDiedError, OSError) as e:
         print(f"preprocess_data.py: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)

@@ -12,6 +12,8 @@
 ``hf_gpt2.py``      Hugging Face GPT-2 <-> our full state dict
 ``hf_codegeex.py``  Hugging Face CodeGeeX (remote code in ``hf_remote/``) <-> our full state dict
 ``hf_tokenizer.py`` our tokenizer <-> an HF directory's tokenizer files
+``import_checks.py``  what an import (--from-hf, --from-codegeex) checks before it writes: field types, sizes
+                    against the files, each tensor's dtype, shape and finiteness
 ``codegeex_release.py``  the released CodeGeeX weights file <-> our checkpoint (the adapter)
 ``codegeex_weights.py``  the released CodeGeeX checkpoint layout <-> our full state dict (the name mapping)
 ``train_state.py``  the counters and RNG streams a resume needs beyond model and optimizer
@@ -24,7 +26,7 @@
 ``resume.py``       ``--load`` checked before any process group (``Resume``), then ``restore()`` once
 ==================  ==========================================================================================
 
-May import: ``model``, ``pipeline``, ``tensor_parallel``, ``distributed``, ``config``, ``metrics`` (the redaction of
+May import: ``model``, ``pipeline``, ``tensor_parallel``, ``distributed``, ``config`` (and its redaction of
 credentials in what a checkpoint records), ``data`` (tokenizers, for the exports). Nothing here trains.
 """
 

@@ -10,6 +10,7 @@ import torch
 
 from codegeex_train.checkpoint.codegeex_weights import (
     codegeex_checkpoint,
+    codegeex_shapes,
     codegeex_state_dict,
     codegeex_to_full,
     config_from_codegeex,
@@ -17,6 +18,7 @@ from codegeex_train.checkpoint.codegeex_weights import (
 )
 from codegeex_train.checkpoint.convert import Layout, save_at_layout
 from codegeex_train.checkpoint.files import CheckpointError, load_full_state_dict
+from codegeex_train.checkpoint.import_checks import check_fits_files, check_tensors
 from codegeex_train.checkpoint.safe_load import safe_torch_load
 
 
@@ -30,7 +32,12 @@ def from_codegeex(path: str, save_dir: str, layout: Layout, num_attention_heads:
         config = config_from_codegeex(flat, num_attention_heads)
     except ValueError as e:
         raise CheckpointError(f"--from-codegeex {path}: {e}") from None
+    where = f"--from-codegeex: {path}"
+    check_fits_files(config, flat, where)
     layout.stage_layers(config)  # TP / PP checked before any tensor is copied
+    described = (f"{path} (a {config.num_layers}-layer CodeGeeX model of hidden size {config.hidden_size}, MLP "
+                 f"width {config.ffn_hidden_size}: read off its shapes)")
+    check_tensors(flat, codegeex_shapes(config), lambda name: path, described, "--from-codegeex")
     try:
         full = codegeex_to_full(flat, config)
     except ValueError as e:

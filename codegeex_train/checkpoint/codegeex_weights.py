@@ -49,6 +49,7 @@ from collections.abc import Mapping
 
 import torch
 
+from codegeex_train.checkpoint.files import model_parameter_shapes
 from codegeex_train.config.model_config import ModelConfig
 
 PREFIX = "language_model."
@@ -99,6 +100,21 @@ def codegeex_names(num_layers: int) -> list[str]:
     for _, theirs, top in _layer_prefixes(num_layers):
         names += [theirs + n for n in _their_layer_names(top)]
     return names + [f"{TRANSFORMER}final_layernorm.weight", f"{TRANSFORMER}final_layernorm.bias"]
+
+
+def codegeex_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The flat names of ``codegeex_names`` with the shapes ``config`` implies (each fused tensor of ours split into
+    its equal blocks: Q, K, V each (h, h))."""
+    ours = model_parameter_shapes(config)
+    shapes = {WORDS: ours["word_embeddings.weight"], POSITIONS: ours["position_embeddings.weight"],
+              TOP_QUERIES: ours["top_query_embeddings.weight"]}
+    for our_prefix, their_prefix, top in _layer_prefixes(config.num_layers):
+        for our_name, their_names in _layer_table(top):
+            rows, *rest = ours[our_prefix + our_name]
+            shapes.update({their_prefix + n: (rows // len(their_names), *rest) for n in their_names})
+    for p in ("weight", "bias"):
+        shapes[f"{TRANSFORMER}final_layernorm.{p}"] = ours[f"final_layernorm.{p}"]
+    return shapes
 
 
 # --- The file's nesting ----------------------------------------------------------------------------------
@@ -166,6 +182,8 @@ def config_from_codegeex(flat: Mapping[str, torch.Tensor], num_attention_heads: 
     (CodeGeeX-13B: 52,224): ``vocab_size`` and ``make_vocab_size_divisible_by`` are both set to it, so that
     ``padded_vocab_size`` is exactly that. ``overrides``: other ModelConfig fields (dropout, init std)."""
     words = _require(flat, WORDS)
+    if words.dim() != 2:
+        raise ValueError(f"{WORDS} has shape {tuple(words.shape)}: not a (vocabulary, hidden) table")
     layers = sorted({int(m.group(1)) for n in flat if (m := _LAYER_INDEX.match(n))})
     if layers != list(range(len(layers))):
         raise ValueError(f"layer numbers {layers} are not 0..{len(layers) - 1}")

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from codegeex_train.checkpoint.deepspeed_files import IncompleteCheckpoint, Part, TagFiles, check_model_states
 from codegeex_train.checkpoint.files import META_KEY, checkpoint_tag, read_latest, type_name, write_latest
+from codegeex_train.checkpoint.run_dir import clear_tag_for
 from codegeex_train.checkpoint.safe_load import CheckpointError, safe_torch_load
 from codegeex_train.checkpoint.train_state import TrainState, rng_state, set_rng_state
 from codegeex_train.config.model_config import ModelConfig
@@ -228,6 +229,27 @@ def _fail_save(save_dir: str, tag: str, rank: int, failure: tuple[str, str], fai
     raise CheckpointSaveError(message)
 
 
+def _clear_tag(save_dir: str, tag: str, run_id: str) -> None:
+    """Every rank, before a save writes ``save_dir/tag``: rank 0 moves aside a directory there that this run did not
+    write (``run_dir.clear_tag_for``); the ranks then agree (the barrier before any rank writes into it). A move
+    that fails stops the save on every rank, the directory left as it was."""
+    failure = None
+    if dist.get_rank() == 0:
+        try:
+            clear_tag_for(save_dir, tag, run_id)
+        except OSError as e:
+            failure = (os.path.join(save_dir, tag), _cause(e))
+    outcome = _agree(failure)
+    if outcome is not None:
+        path, cause = outcome[1]
+        message = (f"could not save checkpoint {tag} to {save_dir}: {path} is there, not written by this run, and "
+                   f"could not be moved aside ({cause}); nothing was written, 'latest' is unchanged: "
+                   f"{_last_complete(save_dir)}")
+        if dist.get_rank() == 0:
+            logger.error(message)
+        raise CheckpointSaveError(message)
+
+
 def save_checkpoint(engine, save_dir: str, state: TrainState, config: ModelConfig, topology: Topology,
                     tracker: RNGStatesTracker, *, tokenizer: dict | None = None, num_chunks: int = 1,
                     resolved_config: str | None = None, background=None,
@@ -257,6 +279,7 @@ def save_checkpoint(engine, save_dir: str, state: TrainState, config: ModelConfi
         meta["tokenizer"] = tokenizer
     if resolved_config is not None:
         meta["resolved_config"] = resolved_config
+    _clear_tag(save_dir, tag, state.run_id)
     safe = install_checkpoint_engine(engine)
     safe.take_failure()
     if background is not None:
@@ -305,9 +328,9 @@ def _check_train_state(path, state: object) -> None:
     for key in ("iteration", "consumed_train_samples"):
         if type(state[key]) is not int or state[key] < 0:
             raise CheckpointError(f"{where}: {key} is {type_name(state[key])}, not an integer >= 0")
-    run_id = state.get("wandb_run_id")
-    if run_id is not None and not isinstance(run_id, str):
-        raise CheckpointError(f"{where}: wandb_run_id is {type_name(run_id)}, not a string")
+    for key in ("wandb_run_id", "run_id"):
+        if state.get(key) is not None and not isinstance(state[key], str):
+            raise CheckpointError(f"{where}: {key} is {type_name(state[key])}, not a string")
     rng = state["rng"]
     if not (isinstance(rng, dict) and isinstance(rng.get("cpu"), torch.Tensor) and isinstance(rng.get("tracker"), dict)
             and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in rng["tracker"].items())):

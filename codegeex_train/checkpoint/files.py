@@ -5,8 +5,9 @@
         {"module": that rank's state_dict,
          "codegeex_train": {"model_config": asdict(config), "tp_size", "pp_size", "iteration",
                             "num_chunks": v, the model chunks per rank of interleaved 1F1B (optional, 1),
-                            "tokenizer": the five tokenizer flags, file paths absolute, and the four FIM
-                                         flags of a run that trains FIM (optional),
+                            "tokenizer": the five tokenizer flags, file paths absolute, the tokenizer's
+                                         fingerprint and vocab_size (data/tokenizer_record.py), and the four
+                                         FIM flags of a run that trains FIM (optional),
                             "resolved_config": the run's flags as a config file, text (training checkpoints;
                                                config/config_file.py)}}
 
@@ -43,8 +44,20 @@ import torch
 from codegeex_train.checkpoint.safe_load import CheckpointError, check_tag_dir, file_kind, safe_torch_load
 from codegeex_train.checkpoint.sharding import merge_state_dicts, partition_spec, stages_of_name
 from codegeex_train.config.model_config import ModelConfig
+from codegeex_train.config.redaction import redact_secrets
+from codegeex_train.config.arguments import ConfigError
 from codegeex_train.data.code_tokens import trained_order
-from codegeex_train.metrics.redaction import redact_secrets
+from codegeex_train.data.tokenizer import Tokenizer
+from codegeex_train.data.tokenizer_record import (  # (TOKENIZER_FIELDS, ...: imported from here by the tools)
+    TOKENIZER_FIELDS,
+    TOKENIZER_FILE_FLAGS,
+    check_record,
+    describe_record,
+    describe_tokenizer,
+    fingerprint_record,
+    mismatch,
+    tokenizer_flags,
+)
 
 META_KEY = "codegeex_train"
 # Fields that change parameter shapes or names; the rest (dropout, init std, ...) may differ on load. Under RoPE no
@@ -54,10 +67,6 @@ SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_
 # Fields that change the function but not the shapes: a mismatch only warns (e.g. fine-tuning choices; a larger
 # --rotary-base to extend the context).
 FUNCTION_FIELDS = ("activation", "layernorm_epsilon", "rotary_percent", "rotary_base", "rotary_interleaved")
-# DataConfig's tokenizer flags, as a checkpoint records them; the file ones with the flag that names them.
-TOKENIZER_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "whitespace_encoding")
-TOKENIZER_FILE_FLAGS = {"tokenizer_model": "--tokenizer-model", "vocab_file": "--vocab-file",
-                        "merge_file": "--merge-file"}
 # DataConfig's fill-in-the-middle flags, recorded with the tokenizer's.
 FIM_FIELDS = ("fim_rate", "fim_spm_rate", "fim_split_sample", "fim_fragment_rate")
 
@@ -130,19 +139,45 @@ def read_latest(directory: str | os.PathLike) -> str:
     return tag
 
 
-def tokenizer_settings(flags) -> dict:
+def tokenizer_settings(flags, tokenizer: Tokenizer | None = None) -> dict:
     """What a checkpoint records of the tokenizer: the five tokenizer fields of ``flags`` (a ``DataConfig`` or
     anything with them), file paths made absolute (against the current directory) so that tools run elsewhere
-    find them, and any credential in them redacted (``metrics.redaction``: a checkpoint is shared more widely than
-    the job; a tool then asks for the flag instead); and, from a run that trains FIM (--fim-rate above 0), the FIM
-    fields (``FIM_FIELDS``)."""
+    find them, and any credential in them redacted (``config.redaction``: a checkpoint is shared more widely than
+    the job; a tool then asks for the flag instead); from a run that trains FIM (--fim-rate above 0), the FIM
+    fields (``FIM_FIELDS``); and with the run's ``tokenizer``, its fingerprint and vocab_size
+    (``data/tokenizer_record.py``), which a resume compares (``check_same_tokenizer``)."""
     settings = {name: getattr(flags, name) for name in TOKENIZER_FIELDS}
     for name in TOKENIZER_FILE_FLAGS:
         if settings[name] is not None:
             settings[name] = redact_secrets(os.path.abspath(settings[name]))
     if getattr(flags, "fim_rate", 0):
         settings.update({name: getattr(flags, name) for name in FIM_FIELDS})
+    if tokenizer is not None:
+        settings.update(fingerprint_record(tokenizer))
     return settings
+
+
+def check_same_tokenizer(recorded: object, tokenizer: Tokenizer, flags, where: str) -> None:
+    """ConfigError unless this run's ``tokenizer`` (built from ``flags``, a ``DataConfig``) is the one a checkpoint
+    was trained with: ``recorded`` (its metadata's ``tokenizer``) has a fingerprint, and this tokenizer's first
+    ``vocab_size`` ids have it (tokens appended after them, e.g. FIM's sentinels, are allowed). A checkpoint without
+    a fingerprint (saved before fingerprints, converted from elsewhere) is not checked. ``where``: '--load DIR
+    (TAG)'."""
+    if not isinstance(recorded, dict):
+        return
+    try:
+        record = check_record(recorded, where)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    difference = None if record is None else mismatch(record, tokenizer)
+    if difference is None:
+        return
+    ours = {name: getattr(flags, name, None) for name in TOKENIZER_FIELDS}
+    fim = (" with --fim-rate above 0 (its FIM sentinels)" if recorded.get("fim_rate")
+           and not getattr(flags, "fim_rate", 0) else "")
+    raise ConfigError(f"{where} was trained with another tokenizer than this run's: {describe_tokenizer(recorded)}, "
+                      f"{describe_record(record)}; this run's is {describe_tokenizer(ours)}, which {difference}: pass "
+                      f"{tokenizer_flags(recorded)}{fim}, as the run that saved it did")
 
 
 def checkpoint_fim(meta: dict) -> dict | None:
@@ -155,15 +190,6 @@ def checkpoint_fim(meta: dict) -> dict | None:
         return None
     fim = {name: saved.get(name) for name in FIM_FIELDS}
     return {**fim, "order": trained_order(fim["fim_spm_rate"] or 0)}
-
-
-def describe_tokenizer(settings: dict) -> str:
-    """``settings`` in a few words, e.g. 'HFTokenizer /data/tok.json' or 'the shipped default'."""
-    if settings.get("tokenizer_type") is None:
-        return "the shipped default (with whitespace encoding)"
-    files = [settings[name] for name in TOKENIZER_FILE_FLAGS if settings.get(name)]
-    return " ".join([settings["tokenizer_type"], *files]) + (
-        ", whitespace encoding" if settings.get("whitespace_encoding") else "")
 
 
 def checkpoint_tokenizer(directory: str | os.PathLike, meta: dict, flags: dict) -> tuple[dict, str]:
@@ -183,13 +209,10 @@ def checkpoint_tokenizer(directory: str | os.PathLike, meta: dict, flags: dict) 
     saved = {name: saved.get(name) for name in TOKENIZER_FIELDS}
     missing = [name for name in TOKENIZER_FILE_FLAGS if saved[name] is not None and not os.path.exists(saved[name])]
     if missing:  # the flags to pass instead: the recorded ones, a placeholder for each missing file
-        flags_to_pass = [f"--tokenizer-type {saved['tokenizer_type']}"] + [
-            f"{flag} {name.upper() if name in missing else saved[name]}"
-            for name, flag in TOKENIZER_FILE_FLAGS.items() if saved[name] is not None] + (
-            ["--whitespace-encoding"] if saved["whitespace_encoding"] else [])
+        flags_to_pass = tokenizer_flags(saved, {name: name.upper() for name in missing})
         gone = " and ".join(f"{saved[name]} ({TOKENIZER_FILE_FLAGS[name]})" for name in missing)
         raise CheckpointError(f"checkpoint {directory} records the tokenizer file {gone}, which no longer exists: "
-                              f"pass {' '.join(flags_to_pass)} with {' and '.join(n.upper() for n in missing)} a copy "
+                              f"pass {flags_to_pass} with {' and '.join(n.upper() for n in missing)} a copy "
                               f"of it")
     return {**saved, **fim}, f"tokenizer: {describe_tokenizer(saved)} (recorded in checkpoint {directory})"
 
@@ -306,6 +329,15 @@ def type_name(value: object) -> str:
 _FIELD_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
 
 
+def has_declared_type(value: object, declared: str) -> bool:
+    """Whether ``value`` (read from a file) is of a dataclass field's ``declared`` type ('int', 'float | None', ...):
+    a bool is no number, a float (2.0) no int; an int is a float."""
+    kind, _, optional = declared.partition(" | ")
+    if value is None:
+        return optional == "None"
+    return isinstance(value, _FIELD_TYPES[kind]) and (kind == "bool" or not isinstance(value, bool))
+
+
 def model_config_from(fields: object, where: str, tp_size: int = 1) -> ModelConfig:
     """The ModelConfig a checkpoint records (``fields``: its ``model_config``), each field of its declared type and
     the whole valid at ``tp_size``; otherwise CheckpointError naming ``where`` and the field. Fields it lacks take
@@ -316,10 +348,8 @@ def model_config_from(fields: object, where: str, tp_size: int = 1) -> ModelConf
     for name, value in fields.items():
         if name not in declared:
             raise CheckpointError(f"{where}: 'model_config' has an unknown field {str(name)[:40]!r}")
-        kind, _, optional = declared[name].partition(" | ")
-        ok = (value is None and optional == "None") or (
-            isinstance(value, _FIELD_TYPES[kind]) and (kind == "bool" or not isinstance(value, bool)))
-        if not ok:
+        if not has_declared_type(value, declared[name]):
+            kind, _, optional = declared[name].partition(" | ")
             raise CheckpointError(f"{where}: model_config field {name!r} is {type_name(value)}, not {kind}"
                                   f"{' or null' if optional else ''}")
     try:

@@ -14,12 +14,14 @@ prefix, the word table trimmed to the tokenizer's vocabulary (zero-padded back o
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
 
+from codegeex_train.checkpoint.files import model_parameter_shapes
 from codegeex_train.config.model_config import ModelConfig
 
 _REMOTE_DIR = Path(__file__).resolve().parent / "hf_remote"
@@ -85,6 +87,25 @@ def hf_codegeex_config(config: ModelConfig, *, bos_token_id: int | None = None, 
         "eos_token_id": eos_token_id,
         "pad_token_id": pad_token_id,
     }
+
+
+def _config_field_types() -> dict[str, str]:
+    """config.json's model fields (``hf_codegeex_config``'s) -> their ModelConfig type ('int', 'int | None', ...)."""
+    declared = {f.name: f.type for f in dataclasses.fields(ModelConfig)}
+    ours = {"initializer_range": "init_method_std"}
+    return {key: declared[ours.get(key, key)] for key in hf_codegeex_config(ModelConfig(vocab_size=1))
+            if ours.get(key, key) in declared}
+
+
+CONFIG_FIELD_TYPES = _config_field_types()
+
+
+def hf_codegeex_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The export's tensors (``transformer.`` names, no tied lm_head) with the shapes ``config`` implies (the word
+    table unpadded)."""
+    shapes = {PREFIX + name: shape for name, shape in model_parameter_shapes(config).items()}
+    shapes[PREFIX + WORD_EMBEDDINGS] = (config.vocab_size, config.hidden_size)
+    return shapes
 
 
 def config_from_hf_codegeex(d: Mapping, make_vocab_size_divisible_by: int = 128) -> ModelConfig:

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from codegeex_train.checkpoint.safe_load import CheckpointError, file_kind, open_regular, safe_torch_load, verify_files
+from codegeex_train.checkpoint.safe_load import CheckpointError, file_kind, safe_torch_load, verify_files
+from codegeex_train.data.bounded_read import read_bytes
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -119,15 +120,10 @@ def _regular(path: Path, what: str) -> None:
 
 
 def read_json_object(path: Path, limit: int) -> dict | None:
-    """The JSON object in the regular file ``path``, or None when it is over ``limit`` bytes, not JSON, or JSON but
-    not an object (the caller's error names what the file should have been)."""
-    fd = open_regular(path)
-    try:
-        data = os.read(fd, limit + 1)
-    finally:
-        os.close(fd)
-    if len(data) > limit:
-        return None
+    """The JSON object in the regular file ``path``, or None when it is not JSON, or JSON but not an object (the
+    caller's error names what the file should have been); over ``limit`` bytes or not a regular file is a
+    FileReadError (bounded_read.py) naming the bound."""
+    data = read_bytes(path, limit, "--from-hf")
     try:
         d = json.loads(data)
     except ValueError:
@@ -166,9 +162,11 @@ def hf_weight_files(hf_dir: str) -> list[Path]:
     return sorted(pickled)
 
 
-def read_hf_tensors(hf_dir: str) -> dict[str, torch.Tensor]:
+def read_hf_tensors(hf_dir: str) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
     """Every tensor of ``hf_dir``'s weights (safetensors preferred, as transformers does; sharded or not),
-    memory-mapped, not copied. Call ``hf_weight_files`` first: pickles are verified weights-only here."""
+    memory-mapped, not copied, and the file each came from. Call ``hf_weight_files`` first: pickles are verified
+    weights-only here."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     hf = Path(hf_dir)
@@ -180,14 +178,19 @@ def read_hf_tensors(hf_dir: str) -> dict[str, torch.Tensor]:
         else:
             continue
         tensors: dict[str, torch.Tensor] = {}
+        sources: dict[str, Path] = {}
         for name in files:
             if name.endswith(".safetensors"):
-                tensors.update(load_file(str(hf / name)))  # mapped by safetensors
+                try:
+                    state = load_file(str(hf / name))  # mapped by safetensors, its header checked against the size
+                except SafetensorError as e:
+                    raise CheckpointError(f"--from-hf: {hf / name} is not a safetensors file ({e})") from None
             else:
                 verify_files([hf / name])
                 state = safe_torch_load(hf / name, mmap=True)
                 if not isinstance(state, dict):
                     raise CheckpointError(f"--from-hf: {hf / name} is not a state dict")
-                tensors.update(state)
-        return tensors
+            tensors.update(state)
+            sources.update(dict.fromkeys(state, hf / name))
+        return tensors, sources
     raise CheckpointError(f"--from-hf {hf_dir}: no weights ({SAFE_WEIGHTS}, {SAFE_INDEX} or pytorch_model.bin)")

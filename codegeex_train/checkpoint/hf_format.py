@@ -28,16 +28,27 @@ import torch
 
 from codegeex_train.checkpoint.convert import Layout, open_full_tensors, save_at_layout
 from codegeex_train.checkpoint.files import CheckpointError, checkpoint_tokenizer, describe_tokenizer
+from codegeex_train.checkpoint.hf_codegeex import CONFIG_FIELD_TYPES as CODEGEEX_CONFIG_FIELD_TYPES
 from codegeex_train.checkpoint.hf_codegeex import (
     config_from_hf_codegeex,
     copy_remote_code,
     hf_codegeex_config,
+    hf_codegeex_shapes,
     hf_codegeex_to_full,
     is_gpt2_shaped,
     to_hf_tensor,
 )
 from codegeex_train.checkpoint.hf_files import ShardWriter, hf_weight_files, read_hf_tensors, read_json_object
-from codegeex_train.checkpoint.hf_gpt2 import LAYER_MAP, config_from_hf_gpt2, hf_gpt2_config, hf_gpt2_to_full
+from codegeex_train.checkpoint.hf_gpt2 import CONFIG_FIELD_TYPES as GPT2_CONFIG_FIELD_TYPES
+from codegeex_train.checkpoint.hf_gpt2 import FIELD_NAMES as GPT2_FIELD_NAMES
+from codegeex_train.checkpoint.hf_gpt2 import (
+    LAYER_MAP,
+    config_from_hf_gpt2,
+    hf_gpt2_config,
+    hf_gpt2_shapes,
+    hf_gpt2_to_full,
+)
+from codegeex_train.checkpoint.import_checks import check_field_types, check_fits_files, check_tensors
 from codegeex_train.checkpoint.safe_load import verify_files
 from codegeex_train.config.arguments import DataConfig
 from codegeex_train.config.model_config import ModelConfig
@@ -148,34 +159,59 @@ def _read_config(hf_dir: str) -> dict:
     return d
 
 
+def _gpt2_name(name: str) -> str:
+    """GPT2LMHeadModel's name of a GPT-2 tensor (GPT2Model's lack "transformer.")."""
+    return name if name.startswith("transformer.") or name == "lm_head.weight" else "transformer." + name
+
+
+def _model_config(hf_dir: str, hf_config: dict, make_vocab_size_divisible_by: int) -> ModelConfig:
+    """Our ModelConfig of config.json (``hf_config``), each field it names checked for its type first."""
+    path = Path(hf_dir) / "config.json"
+    model_type = hf_config.get("model_type")
+    if model_type == "gpt2":
+        from transformers import GPT2Config
+
+        check_field_types(hf_config, GPT2_CONFIG_FIELD_TYPES, f"--from-hf: {path}")
+        try:  # transformers' own checks of the fields this import does not read
+            hf = GPT2Config.from_pretrained(hf_dir, local_files_only=True)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"--from-hf: {path}: transformers refuses it ({e})") from None
+        return config_from_hf_gpt2(hf, make_vocab_size_divisible_by)
+    if model_type == "codegeex":
+        check_field_types(hf_config, CODEGEEX_CONFIG_FIELD_TYPES, f"--from-hf: {path}")
+        try:
+            return config_from_hf_codegeex(hf_config, make_vocab_size_divisible_by)
+        except KeyError as e:
+            raise CheckpointError(f"--from-hf: {path} lacks the CodeGeeX field {e}") from None
+    raise CheckpointError(f"--from-hf {hf_dir}: model_type {str(model_type)[:40]!r} in config.json; this tool "
+                          f"reads 'gpt2' (GPT2LMHeadModel) and 'codegeex' (what --to-hf writes)")
+
+
 def from_hf(hf_dir: str, save_dir: str, layout: Layout, make_vocab_size_divisible_by: int) -> None:
     """A Hugging Face directory (model_type gpt2 or codegeex; sharded or not) -> our checkpoint at ``layout``,
     recording its tokenizer.json (copied into ``save_dir``) when it has one."""
     from codegeex_train.checkpoint.hf_tokenizer import TOKENIZER_FILE, hf_tokenizer_settings
 
-    if not (Path(hf_dir) / "config.json").is_file():  # and never a Hub lookup of a mistyped path
+    config_path = Path(hf_dir) / "config.json"
+    if not config_path.is_file():  # and never a Hub lookup of a mistyped path
         raise CheckpointError(f"--from-hf {hf_dir}: not a Hugging Face model directory (no config.json)")
     weight_files = hf_weight_files(hf_dir)  # before anything in it is opened (its config.json included)
     hf_config = _read_config(hf_dir)
-    model_type = hf_config.get("model_type")
-    if model_type == "gpt2":
-        from transformers import GPT2Config
-
-        config = config_from_hf_gpt2(GPT2Config.from_pretrained(hf_dir, local_files_only=True),
-                                     make_vocab_size_divisible_by)
-    elif model_type == "codegeex":
-        try:
-            config = config_from_hf_codegeex(hf_config, make_vocab_size_divisible_by)
-        except (KeyError, TypeError) as e:
-            raise CheckpointError(f"--from-hf {hf_dir}: config.json lacks or mistypes a CodeGeeX field ({e})") from None
-    else:
-        raise CheckpointError(f"--from-hf {hf_dir}: model_type {str(model_type)[:40]!r} in config.json; this tool "
-                              f"reads 'gpt2' (GPT2LMHeadModel) and 'codegeex' (what --to-hf writes)")
-    layout.stage_layers(config)  # a bad split fails before the weights are read
+    gpt2 = hf_config.get("model_type") == "gpt2"
+    config = _model_config(hf_dir, hf_config, make_vocab_size_divisible_by)
+    config.validate(layout.tp_size)  # a bad TP split fails before the weights are read
     verify_files(weight_files)  # pickled weights pass our weights-only check before anything else reads them
-    tensors = read_hf_tensors(hf_dir)  # mapped
+    tensors, sources = read_hf_tensors(hf_dir)  # mapped: shapes and dtypes known, no data read
+    if gpt2:  # GPT2Model's names lack GPT2LMHeadModel's "transformer."
+        tensors, sources = ({_gpt2_name(k): v for k, v in d.items()} for d in (tensors, sources))
+    # Checked before anything the config's size is built or written: the config's counts against the files', then
+    # each tensor's dtype, shape and values.
+    check_fits_files(config, tensors, f"--from-hf: {config_path}", GPT2_FIELD_NAMES if gpt2 else None)
+    layout.stage_layers(config)
+    check_tensors(tensors, (hf_gpt2_shapes if gpt2 else hf_codegeex_shapes)(config), sources.__getitem__,
+                  str(config_path), "--from-hf")
     try:
-        full = (hf_gpt2_to_full if model_type == "gpt2" else hf_codegeex_to_full)(tensors, config)
+        full = (hf_gpt2_to_full if gpt2 else hf_codegeex_to_full)(tensors, config)
     except KeyError as e:
         raise CheckpointError(f"--from-hf {hf_dir}: its weights lack {e}, which its config.json implies") from None
     del tensors

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from codegeex_train.checkpoint.files import model_parameter_shapes
 from codegeex_train.config.model_config import ModelConfig
 
 # Our per-layer name -> GPT-2's (transformer.h.{i}.) name, and whether HF's Conv1D stores it (in, out).
@@ -25,6 +26,32 @@ LAYER_MAP: tuple[tuple[str, str, bool], ...] = (
     ("mlp.dense_4h_to_h.weight", "mlp.c_proj.weight", True),
     ("mlp.dense_4h_to_h.bias", "mlp.c_proj.bias", False),
 )
+
+# config.json's fields the import reads, with their types (checked first: transformers' GPT2Config fills in those
+# missing with its defaults).
+CONFIG_FIELD_TYPES = {"n_layer": "int", "n_embd": "int", "n_head": "int", "n_inner": "int | None", "n_positions": "int",
+                      "vocab_size": "int", "activation_function": "str", "resid_pdrop": "float", "embd_pdrop": "float",
+                      "attn_pdrop": "float", "layer_norm_epsilon": "float", "initializer_range": "float",
+                      "scale_attn_weights": "bool", "scale_attn_by_inverse_layer_idx": "bool",
+                      "add_cross_attention": "bool"}
+# Our ModelConfig field -> GPT2Config's name for it (messages name the file's).
+FIELD_NAMES = {"num_layers": "n_layer", "hidden_size": "n_embd", "num_attention_heads": "n_head",
+               "ffn_hidden_size": "n_inner", "max_position_embeddings": "n_positions"}
+
+
+def hf_gpt2_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The ``GPT2LMHeadModel`` tensors an import reads (``transformer.`` names) with the shapes ``config`` implies:
+    ours, the word table unpadded, Conv1D weights (in, out)."""
+    ours = model_parameter_shapes(config)
+    shapes = {"transformer.wte.weight": (config.vocab_size, config.hidden_size),
+              "transformer.wpe.weight": ours["position_embeddings.weight"]}
+    for i in range(config.num_layers):
+        for name, theirs, conv1d in LAYER_MAP:
+            shape = ours[f"layers.{i}.{name}"]
+            shapes[f"transformer.h.{i}.{theirs}"] = shape[::-1] if conv1d else shape
+    for p in ("weight", "bias"):
+        shapes[f"transformer.ln_f.{p}"] = ours[f"final_layernorm.{p}"]
+    return shapes
 
 
 def config_from_hf_gpt2(hf_config, make_vocab_size_divisible_by: int = 128) -> ModelConfig:

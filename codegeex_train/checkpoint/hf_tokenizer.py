@@ -34,9 +34,11 @@ from types import SimpleNamespace
 import tokenizers
 
 from codegeex_train.checkpoint.files import FIM_FIELDS, TOKENIZER_FIELDS
+from codegeex_train.data.bounded_read import check_file, read_text
 from codegeex_train.data.code_tokens import code_tokens
 from codegeex_train.data.tokenizer import (
     EOD_TOKEN,
+    MAX_TOKENIZER_FILE_BYTES,
     HFTokenizer,
     Tokenizer,
     TokenizerError,
@@ -93,6 +95,7 @@ def hf_tokenizer_settings(hf_dir: str | os.PathLike) -> dict | None:
     path = Path(hf_dir) / TOKENIZER_FILE
     if not path.is_file():
         return None
+    check_file(path, MAX_TOKENIZER_FILE_BYTES, "--from-hf")  # the library reads it whole
     try:
         if tokenizers.Tokenizer.from_file(str(path)).token_to_id(EOD_TOKEN) is None:
             return None
@@ -102,8 +105,9 @@ def hf_tokenizer_settings(hf_dir: str | os.PathLike) -> dict | None:
     settings.update(tokenizer_type="HFTokenizer", tokenizer_model=str(path.resolve()), whitespace_encoding=False)
     config_path = Path(hf_dir) / TOKENIZER_CONFIG
     try:
-        config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
-    except ValueError as e:
+        config = json.loads(read_text(config_path, MAX_TOKENIZER_FILE_BYTES, "--from-hf")) if config_path.is_file() \
+            else {}
+    except json.JSONDecodeError as e:
         raise TokenizerError(f"{config_path}: not JSON ({e})") from None
     fim = config.get(FIM_KEY) if isinstance(config, dict) else None
     if isinstance(fim, dict) and isinstance(fim.get("fim_rate"), (int, float)) and fim["fim_rate"] > 0:

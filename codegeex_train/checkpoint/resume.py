@@ -16,6 +16,12 @@ one error naming what is missing and the flags below that deliberately load less
 of every kind, has the shape of the model built from the flags (computed from the config, ``files.py``), or the
 error names the first parameter and both shapes.
 
+Which checkpoint (``preflight_load``): a ``--save`` that holds a run is that run's (``checkpoint/run_dir.py``): it is
+resumed in full without ``--load`` (a relaunch), and another run's ``--load`` there is refused unless --start-over
+(the old run is moved aside first). A resume keeps the LR schedule the checkpoint records, or is refused, unless
+Megatron's --override-opt_param-scheduler or --use-checkpoint-opt_param-scheduler decides
+(``config/lr_schedule.py``).
+
 What is restored from it (``preflight_load`` reads the flags), as Megatron-LM's flags mean:
 
 * ``--finetune``: the model weights only, of any kind; the iteration, consumed samples, optimizer and LR schedule
@@ -76,7 +82,16 @@ from codegeex_train.checkpoint.universal import (
     load_universal_weights,
     read_universal_meta,
 )
+from codegeex_train.checkpoint.run_dir import holds_run, recorded_run_id
 from codegeex_train.config.arguments import ConfigError, TrainConfig
+from codegeex_train.config.lr_schedule import (
+    OVERRIDE_FLAG,
+    USE_CHECKPOINT_FLAG,
+    LRScheduleShape,
+    SchedulePolicy,
+    extend_hint,
+    schedule_differences,
+)
 from codegeex_train.config.model_config import ModelConfig
 from codegeex_train.config.plan import ParallelPlan
 from codegeex_train.distributed.topology import ParallelDims, Topology
@@ -105,6 +120,7 @@ class Resume:
     load_optim: bool = True  # False: --no-load-optim
     load_rng: bool = True  # False: --no-load-rng
     note: str | None = None  # printed once (rank 0) when restoring, e.g. why --save is resumed instead of --load
+    schedule: LRScheduleShape | None = None  # the LR schedule it records (training and universal checkpoints)
 
 
 _TO_UNIVERSAL = ("to resume at another layout, convert it first: python tools/convert_checkpoint.py --load {d} "
@@ -226,7 +242,8 @@ def preflight_resume(load_dir: str, config: ModelConfig, dims: ParallelDims, *, 
             _check_same_model(load_dir, tag, meta, config)
             _check_tensors(f"{load_dir}/{tag}/fp32.safetensors", _universal_shapes(load_dir, tag),
                            model_parameter_shapes(config))
-            return Resume(load_dir, tag, ResumeKind.UNIVERSAL, meta, **flags)
+            return Resume(load_dir, tag, ResumeKind.UNIVERSAL, meta, **flags,
+                          schedule=LRScheduleShape.from_state(meta["lr_scheduler"]))
         tag, meta = read_checkpoint_meta(load_dir)
         _check_same_model(load_dir, tag, meta, config)
         files = tag_files(os.path.join(load_dir, tag))
@@ -272,35 +289,96 @@ def preflight_resume(load_dir: str, config: ModelConfig, dims: ParallelDims, *, 
             check_zero_partitions(files, expected)
     except CheckpointError as e:
         raise ConfigError(f"--load {load_dir}: {e}") from None
-    return Resume(load_dir, tag, kind, meta, **flags)
+    return Resume(load_dir, tag, kind, meta, **flags, schedule=LRScheduleShape.from_state(states[0].get("lr_scheduler")))
 
 
-def preflight_load(train: TrainConfig, config: ModelConfig, plan: ParallelPlan) -> Resume | None:
-    """What this run starts from, checked before any process group: None (a fresh start), or ``--load`` with
-    what to restore of it (--finetune, --no-load-optim, --no-load-rng); under --finetune, --save instead when it
-    already holds a checkpoint (a relaunch). Nonsense combinations raise ConfigError naming the flags. Checked
-    against this run's ``config`` (the vocabulary resolved) and ``plan`` (sizes, chunks, each stage's layers)."""
+def _same_dir(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _start_in_save(t: TrainConfig) -> str:
+    """Why a run that holds --save's run may not start here: the one line of the refusal, with its fixes."""
+    return (f"--save {t.save} holds a run ('latest' names {_latest_or_damaged(t.save)}), and --load {t.load} is "
+            f"another run's checkpoint: a start here would overwrite that run. To continue it, drop --load (or "
+            f"--load {t.save}); to start a new run in it from --load, add --start-over (its checkpoints move to "
+            f"{os.path.join(t.save, 'previous-runs')}/, nothing is deleted); or give this run another --save")
+
+
+def _latest_or_damaged(directory: str) -> str:
+    try:
+        return read_latest(directory)
+    except CheckpointError:
+        return "no readable tag"
+
+
+def _check_schedule(resume: Resume, ours: LRScheduleShape, policy: SchedulePolicy) -> Resume:
+    """Megatron's rule on resume (config/lr_schedule.py): the checkpoint's LR schedule equals the flags', or one of
+    the two flags decides; the run's own values under --use-checkpoint-opt_param-scheduler are the checkpoint's
+    (``resume.schedule``, which ``pretrain.prepare`` puts into the run's optimizer config)."""
+    if resume.finetune or resume.kind is ResumeKind.WEIGHTS or resume.schedule is None:
+        return resume
+    differences = schedule_differences(resume.schedule, ours)
+    if not differences:
+        return resume
+    where = f"{resume.load_dir} ({resume.tag})"
+    if policy is SchedulePolicy.CHECK:
+        hint = extend_hint(resume.schedule, ours)
+        raise ConfigError(f"resuming {where}: its LR schedule differs from these flags': {'; '.join(differences)}. "
+                          f"{hint + '; or d' if hint else 'D'}ecide which applies: {OVERRIDE_FLAG} (these flags' "
+                          f"schedule, from the checkpoint's position) or {USE_CHECKPOINT_FLAG} (the checkpoint's)")
+    winner = "these flags'" if policy is SchedulePolicy.OVERRIDE else "the checkpoint's"
+    note = f"the LR schedule is {winner} ({'; '.join(differences)})"
+    return dataclasses.replace(resume, note=f"{resume.note}; {note}" if resume.note else note)
+
+
+def preflight_load(train: TrainConfig, config: ModelConfig, plan: ParallelPlan,
+                   schedule: LRScheduleShape | None = None,
+                   policy: SchedulePolicy = SchedulePolicy.CHECK) -> Resume | None:
+    """What this run starts from, checked before any process group: None (a fresh start), or a checkpoint with what
+    to restore of it. A ``--save`` that holds a run (checkpoint/run_dir.py) is resumed in full when no ``--load`` is
+    given, when ``--load`` names a checkpoint of the same run (a relaunch of a run started from it), and under
+    --finetune (a relaunch); another ``--load`` there is refused unless --start-over (then ``pretrain.main`` moves
+    the old run aside before anything is written). Otherwise ``--load`` with --finetune, --no-load-optim,
+    --no-load-rng. Nonsense combinations raise ConfigError naming the flags. Checked against this run's ``config``
+    (the vocabulary resolved), ``plan`` (sizes, chunks, each stage's layers) and its LR ``schedule`` (``policy``:
+    what a difference does)."""
     t = train
     dims, num_chunks, stage_layers = plan.dims, plan.num_chunks, plan.stage_layers or None
-    if t.load is None:
-        if t.finetune or t.no_load_optim or t.no_load_rng:
-            given = " ".join(flag for flag, on in (("--finetune", t.finetune), ("--no-load-optim", t.no_load_optim),
-                                                   ("--no-load-rng", t.no_load_rng)) if on)
-            raise ConfigError(f"{given} without --load: they say what to take from the checkpoint --load names; pass "
-                              f"--load CHECKPOINT_DIR (for --finetune: a training, universal or weights-only one), or "
-                              f"drop {given} for a run from scratch")
-        return None
-    if t.finetune and t.save is not None:
-        if os.path.abspath(t.save) == os.path.abspath(t.load):
-            raise ConfigError(f"--finetune with --save {t.save} equal to --load: a relaunch resumes from --save, so "
-                              f"this run could never start from --load's weights; save to another directory")
-        if os.path.isfile(os.path.join(t.save, "latest")):  # a relaunch: continue this run, in full
-            resume = preflight_resume(t.save, config, dims, num_chunks=num_chunks, stage_layers=stage_layers)
-            return dataclasses.replace(resume, note=(
-                f"--finetune: --save {t.save} already holds a checkpoint ({resume.tag}); resuming from it instead "
-                f"of starting over from --load {t.load} (empty --save to start the fine-tuning afresh)"))
-    return preflight_resume(t.load, config, dims, finetune=t.finetune, load_optim=not t.no_load_optim,
-                            load_rng=not t.no_load_rng, num_chunks=num_chunks, stage_layers=stage_layers)
+    if t.start_over and t.save is None:
+        raise ConfigError("--start-over starts a new run in the --save directory that holds one: give --save DIR")
+    if t.start_over and t.load is not None and _same_dir(t.load, t.save):
+        raise ConfigError(f"--start-over with --load {t.load} equal to --save: it would move the checkpoint to load "
+                          f"into {os.path.join(t.save, 'previous-runs')}/ first; --load the run's other copy, or drop "
+                          f"--start-over to continue it")
+    if t.load is None and (t.finetune or t.no_load_optim or t.no_load_rng):
+        given = " ".join(flag for flag, on in (("--finetune", t.finetune), ("--no-load-optim", t.no_load_optim),
+                                               ("--no-load-rng", t.no_load_rng)) if on)
+        raise ConfigError(f"{given} without --load: they say what to take from the checkpoint --load names; pass "
+                          f"--load CHECKPOINT_DIR (for --finetune: a training, universal or weights-only one), or "
+                          f"drop {given} for a run from scratch")
+    if t.finetune and t.save is not None and _same_dir(t.save, t.load):
+        raise ConfigError(f"--finetune with --save {t.save} equal to --load: a relaunch resumes from --save, so "
+                          f"this run could never start from --load's weights; save to another directory")
+    resume = None
+    if t.save is not None and not t.start_over and holds_run(t.save) and (t.load is None
+                                                                           or not _same_dir(t.load, t.save)):
+        if t.load is None:
+            why = "resuming it (a relaunch continues its run)"
+        elif t.finetune:
+            why = f"resuming it instead of starting over from --load {t.load} (this run saved before it stopped)"
+        elif (run := recorded_run_id(t.save)) is not None and run == recorded_run_id(t.load):
+            why = f"resuming it instead of --load {t.load}, which that run started from (a relaunch)"
+        else:
+            raise ConfigError(_start_in_save(t))
+        resume = preflight_resume(t.save, config, dims, num_chunks=num_chunks, stage_layers=stage_layers)
+        resume = dataclasses.replace(resume, note=(
+            f"--save {t.save} holds a run ({resume.tag}): {why}; --start-over starts a new run there instead"))
+    elif t.load is not None:
+        resume = preflight_resume(t.load, config, dims, finetune=t.finetune, load_optim=not t.no_load_optim,
+                                  load_rng=not t.no_load_rng, num_chunks=num_chunks, stage_layers=stage_layers)
+    if resume is None or schedule is None:
+        return resume
+    return _check_schedule(resume, schedule, policy)
 
 
 def restore(resume: Resume | None, model: torch.nn.Module, topology: Topology, tracker: RNGStatesTracker,

@@ -4,15 +4,18 @@
 good, every tag whose iteration is a multiple of M. ``apply_retention`` runs on global rank 0 after each save is
 committed (``latest`` names the new tag) and removes the others, under three rules:
 
-* Only tags at or before the one ``latest`` names, only complete ones (``tag_is_complete``: every model file its
-  metadata records and, when the optimizer state is ZeRO's, every ZeRO file), never the one ``latest`` names. A
-  partial tag (a crash mid-save) is left as it is and does not count among the N.
+* Only this run's tags (``run_dir.tag_owner``: holding nothing but the files a save writes, and recording this run's
+  id and the iteration the tag's name says), only tags at or before the one ``latest`` names, only complete ones
+  (``tag_is_complete``: every model file its metadata records and, when the optimizer state is ZeRO's, every ZeRO
+  file), never the one ``latest`` names. Any other tag (a partial one from a crash mid-save, a copy, another run's,
+  one with a user's file inside) is left as it is, said once, and does not count among the N.
 * Never one a reader holds. The tools that read a checkpoint (conversion, generation, evaluation) hold a shared
   ``flock`` on the tag directory ``latest`` names while they read (``reading_checkpoint``); retention tries an
   exclusive one, non-blocking, and keeps a held tag and every later one (a reader reads ``latest`` more than once, so
   it may be reading any tag named after the one it holds) until a later save finds them free.
-* Crash-safe: a tag is renamed to a hidden name (``.iter_0000100.deleting``: nothing reads it as a checkpoint) under
-  the exclusive lock, then removed; a removal cut short is finished by the next save's retention.
+* Crash-safe: a tag is renamed to a hidden name of this run's (``.iter_0000100.deleting-<run id>``: nothing reads it
+  as a checkpoint) under the exclusive lock, then removed; a removal cut short is finished by the next save's
+  retention of the same run (a resume keeps the run id). Nothing else of that shape is touched.
 
 A directory's ``flock`` needs no write access (a reader of a read-only copy can take it) and is dropped by the kernel
 when its holder dies. It holds across nodes on Lustre mounted with ``-o flock`` and on GPFS; an NFS client sees only
@@ -34,11 +37,10 @@ from pathlib import Path
 
 from codegeex_train.checkpoint.deepspeed_files import check_model_files, check_zero_files, tag_files
 from codegeex_train.checkpoint.files import META_KEY, TAG_PATTERN, read_latest, read_model_file
+from codegeex_train.checkpoint.run_dir import tag_owner
 from codegeex_train.checkpoint.safe_load import CheckpointError
 
 logger = logging.getLogger(__name__)
-
-_REMOVING = re.compile(rf"\.({TAG_PATTERN.pattern})\.deleting")  # a tag renamed for removal
 _LOCK_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # Tries at reading `latest` and locking the tag it names: each failure means a save moved `latest` in between.
 _READ_TRIES = 10
@@ -69,17 +71,17 @@ def tag_is_complete(tag_dir: str | os.PathLike) -> bool:
 
 
 def tags_to_remove(tags: Sequence[str], latest: str, keep_last: int, keep_every: int | None,
-                   is_complete: Callable[[str], bool]) -> list[str]:
-    """Which of ``tags`` (in iteration order, none after ``latest``) retention removes, oldest first: the complete ones
-    (``is_complete``, asked only where it decides) that are neither among the ``keep_last`` newest complete tags
-    (``latest`` the newest) nor at a multiple of ``keep_every``."""
+                   removable: Callable[[str], bool]) -> list[str]:
+    """Which of ``tags`` (in iteration order, none after ``latest``) retention removes, oldest first: the removable
+    ones (``removable``: complete and this run's, asked only where it decides) that are neither among the
+    ``keep_last`` newest removable tags (``latest`` the newest) nor at a multiple of ``keep_every``."""
     newest, remove = 0, []
     for tag in reversed(tags):
         if tag == latest:  # committed, so complete
             newest += 1
         elif newest < keep_last:
-            newest += is_complete(tag)
-        elif not (keep_every and tag_iteration(tag) % keep_every == 0) and is_complete(tag):
+            newest += removable(tag)
+        elif not (keep_every and tag_iteration(tag) % keep_every == 0) and removable(tag):
             remove.append(tag)
     return remove[::-1]
 
@@ -95,10 +97,16 @@ def _tags_up_to(save_dir: str, last: int) -> list[str]:
     return sorted(tags, key=lambda tag: (tag_iteration(tag), tag))
 
 
-def _finish_removals(save_dir: str) -> None:
-    """Remove what an interrupted retention left renamed (hidden ``.TAG.deleting`` directories)."""
+def _hidden_name(tag: str, run_id: str) -> str:
+    """The name a tag of run ``run_id`` is renamed to for its removal."""
+    return f".{tag}.deleting-{run_id}"
+
+
+def _finish_removals(save_dir: str, run_id: str) -> None:
+    """Remove what an interrupted retention of this run left renamed (its hidden ``.TAG.deleting-<run id>``)."""
+    mine = re.compile(rf"\.({TAG_PATTERN.pattern})\.deleting-{re.escape(run_id)}")
     with os.scandir(save_dir) as entries:
-        leftovers = [e.path for e in entries if _REMOVING.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
+        leftovers = [e.path for e in entries if mine.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
     for path in leftovers:
         shutil.rmtree(path, ignore_errors=True)
 
@@ -124,29 +132,45 @@ def _lock_exclusive(tag_dir: str) -> int | None:
     return fd
 
 
-def apply_retention(save_dir: str, keep_last: int | None, keep_every: int | None = None) -> list[str]:
-    """Remove the checkpoints of ``save_dir`` that ``--keep-last-n-checkpoints keep_last`` and
+def apply_retention(save_dir: str, keep_last: int | None, keep_every: int | None = None, *,
+                    run_id: str, foreign: set[str] | None = None) -> list[str]:
+    """Remove the checkpoints of run ``run_id`` in ``save_dir`` that ``--keep-last-n-checkpoints keep_last`` and
     ``--keep-every-n-iterations keep_every`` let go (the module docstring's rules); returns the tags removed, oldest
     first. Nothing when ``keep_last`` is None. Global rank 0 only, after ``latest`` names the new save (it holds
-    ``save_lock``'s lock: no other writer). A tag that cannot be removed is warned about, never raised."""
+    ``save_lock``'s lock: no other writer). A tag that cannot be removed is warned about, never raised; a tag that
+    is not this run's is kept and said once (``foreign``: the tags already said, updated)."""
     if not keep_last:
         return []
     try:
-        _finish_removals(save_dir)
+        _finish_removals(save_dir, run_id)
         latest = read_latest(save_dir)
         tags = _tags_up_to(save_dir, tag_iteration(latest))
     except (CheckpointError, OSError) as e:
         logger.warning(f"retention: cannot list the checkpoints of {save_dir} ({e}): nothing removed")
         return []
-    remove = tags_to_remove(tags, latest, keep_last, keep_every,
-                            lambda tag: tag_is_complete(os.path.join(save_dir, tag)))
+    others = []
+
+    def removable(tag: str) -> bool:  # asked only where it decides; a tag not this run's neither counts nor goes
+        tag_dir = os.path.join(save_dir, tag)
+        if tag_owner(tag_dir) != run_id:
+            others.append(tag)
+            return False
+        return tag_is_complete(tag_dir)
+
+    remove = tags_to_remove(tags, latest, keep_last, keep_every, removable)
+    said = foreign if foreign is not None else set()
+    new = [tag for tag in others if tag not in said]
+    if new:
+        logger.info(f"retention: keeps {', '.join(new)} in {save_dir}: not written by this run (another run's, a "
+                    f"copy, a partial save, or holding other files); remove by hand if unwanted")
+        said.update(new)
     removed = []
     for tag in tags[:tags.index(remove[-1]) + 1] if remove else ():
         tag_dir = os.path.join(save_dir, tag)
         fd = _lock_exclusive(tag_dir)
         if fd is None:  # a reader holds it: it may be reading any later tag too
             break
-        hidden = os.path.join(save_dir, f".{tag}.deleting")
+        hidden = os.path.join(save_dir, _hidden_name(tag, run_id))
         try:
             if tag not in remove:
                 continue
@@ -165,13 +189,15 @@ def apply_retention(save_dir: str, keep_last: int | None, keep_every: int | None
     return removed
 
 
-def retention_hooks(keep_last: int | None, keep_every: int | None,
-                    rank: int) -> tuple[Callable[[str, str], None], ...]:
+def retention_hooks(keep_last: int | None, keep_every: int | None, rank: int,
+                    run_id: str) -> tuple[Callable[[str, str], None], ...]:
     """The ``after_commit`` hooks (``deepspeed_checkpoint.commit_save``: ``(save_dir, tag)``, every rank, once
-    ``latest`` names the tag) that apply retention: one on global rank 0 under --keep-last-n-checkpoints, else none."""
+    ``latest`` names the tag) that apply retention to run ``run_id``'s tags: one on global rank 0 under
+    --keep-last-n-checkpoints, else none."""
     if not keep_last or rank != 0:
         return ()
-    return (lambda save_dir, tag: apply_retention(save_dir, keep_last, keep_every),)
+    foreign: set[str] = set()
+    return (lambda save_dir, tag: apply_retention(save_dir, keep_last, keep_every, run_id=run_id, foreign=foreign),)
 
 
 def _hold_latest(directory: str) -> tuple[int | None, str | None]:

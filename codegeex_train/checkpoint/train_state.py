@@ -3,6 +3,7 @@ the random-number streams."""
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +19,9 @@ class TrainState:
     consumed_train_samples: int = 0
     wandb_run_id: str | None = None
     rng: dict = field(default_factory=dict)
+    # Who wrote a checkpoint (checkpoint/run_dir.py): new for every run started (from scratch, --finetune,
+    # --start-over), kept by every resume; a checkpoint saved before it existed gets a new one when resumed.
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
 def rng_state(tracker: RNGStatesTracker) -> dict:

@@ -191,6 +191,11 @@ _UNIVERSAL = {"format": _STRING, "model_config": _MAPPING, "iteration": _integer
               "adam_step": _integer(0), "lr_scheduler": _LR_SCHEDULER, "global_steps": _integer(0),
               "global_samples": _integer(0), "skipped_steps": _integer(0), "source_layout": _SOURCE_LAYOUT}
 _OPTIONAL = {"tokenizer": _TOKENIZER}
+# Keys of nested objects that older universal checkpoints lack.
+_NESTED_OPTIONAL = {"train_state": {"run_id": _STRING}, "lr_scheduler": {"global_batch_size": _integer(1)},
+                    "tokenizer": {"fingerprint": _STRING, "vocab_size": _integer(1), "fim_rate": _NUMBER,
+                                  "fim_spm_rate": _NUMBER, "fim_split_sample": _optional(_STRING),
+                                  "fim_fragment_rate": _optional(_NUMBER)}}
 
 
 def _check_object(path: Path, where: str, value: object, table: dict, optional: dict | None = None) -> None:
@@ -208,7 +213,7 @@ def _check_object(path: Path, where: str, value: object, table: dict, optional: 
             continue
         name = f"{where}.{key}" if where else key
         if isinstance(rule, dict):
-            _check_object(path, name, value[key], rule)
+            _check_object(path, name, value[key], rule, _NESTED_OPTIONAL.get(key))
             continue
         ok, what = rule
         if not ok(value[key]):

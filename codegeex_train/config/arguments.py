@@ -16,11 +16,13 @@ import warnings
 from dataclasses import dataclass
 
 from codegeex_train.config import config_file, megatron_flags
+from codegeex_train.config.lr_schedule import OVERRIDE_FLAG, USE_CHECKPOINT_FLAG, SchedulePolicy
 from codegeex_train.config.model_config import ModelConfig, ModelConfigError
 from codegeex_train.config.recompute import GRANULARITIES as RECOMPUTE_GRANULARITIES
 from codegeex_train.config.recompute import METHODS as RECOMPUTE_METHODS
 from codegeex_train.config.recompute import MODULES as RECOMPUTE_MODULES
 from codegeex_train.config.recompute import Recompute
+from codegeex_train.config.redaction import redact_secrets
 from codegeex_train.config.options import (
     UNIT_OPEN,
     FlagParser,
@@ -116,8 +118,15 @@ class TrainConfig:
     recompute_modules: list[str] | None = option(None, "selective recompute: any of core_attn (the attention "
                                                  "core, default), mlp_act (the MLP activation's output), layernorm "
                                                  "(the LayerNorm outputs)")
-    save: str | None = option(None, "directory to save checkpoints to")
-    load: str | None = option(None, "directory to resume from (its 'latest' checkpoint)")
+    save: str | None = option(None, "directory to save checkpoints to; one run's: when it holds a run ('latest'), "
+                              "that run is resumed (without --load, or a --load of the same run), or the start is "
+                              "refused, never overwritten (see --start-over)")
+    load: str | None = option(None, "directory to resume from (its 'latest' checkpoint; default: --save when it "
+                              "holds a run)")
+    start_over: bool = option(False, "start a new run in a --save that holds one (from scratch, or from --load): "
+                              "its checkpoints, 'latest', config.yaml and metrics.jsonl are first moved into "
+                              "<save>/previous-runs/N/, nothing deleted. For one launch: a requeued command that "
+                              "keeps it starts over again")
     finetune: bool = option(False, "start a new run from the model weights of --load only (a training, universal or "
                             "weights-only checkpoint): the iteration, consumed samples, optimizer and LR schedule start "
                             "afresh and the random streams from --seed (--no-load-optim and --no-load-rng are implied). "
@@ -243,6 +252,21 @@ class OptimConfig:
     adam_beta2: float = option(0.999, "Adam beta2", bounds=UNIT_OPEN)
     adam_eps: float = option(1e-8, "Adam epsilon", bounds=above(0))
     sgd_momentum: float = option(0.9, "SGD momentum", bounds=UNIT_OPEN)
+    # On resume the checkpoint's schedule must equal the flags' unless one of these decides (config/lr_schedule.py).
+    override_opt_param_scheduler: bool = option(False, "on resume, the LR schedule of these flags (--lr, --min-lr, "
+                                                "warm-up, decay, global batch) replaces the checkpoint's; its "
+                                                "position is kept", flags=("--override-opt_param-scheduler",
+                                                                          "--override-opt-param-scheduler"))
+    use_checkpoint_opt_param_scheduler: bool = option(False, "on resume, the LR schedule the checkpoint records "
+                                                      "replaces these flags' (--lr, --min-lr, warm-up, decay)",
+                                                      flags=("--use-checkpoint-opt_param-scheduler",
+                                                             "--use-checkpoint-opt-param-scheduler"))
+
+    @property
+    def schedule_policy(self) -> SchedulePolicy:
+        if self.override_opt_param_scheduler:
+            return SchedulePolicy.OVERRIDE
+        return SchedulePolicy.USE_CHECKPOINT if self.use_checkpoint_opt_param_scheduler else SchedulePolicy.CHECK
 
 
 TOKENIZER_TYPES = ("HFTokenizer", "GPT2BPETokenizer", "SentencePieceTokenizer", "CodeGeeXTokenizer")  # data.tokenizer's
@@ -262,9 +286,9 @@ class DataConfig:
                                         "whitespace encoding built in; pad with --make-vocab-size-divisible-by "
                                         "52224) (default: the shipped tokenizer trained on the Python stdlib)",
                                         choices=TOKENIZER_TYPES)
-    tokenizer_model: str | None = option(None, "tokenizer.json (HFTokenizer), .model (SentencePiece), or for "
-                                         "CodeGeeXTokenizer a tokenizer.json or Hugging Face tokenizer directory "
-                                         "(e.g. a local copy of EleutherAI/gpt-j-6B's tokenizer files)")
+    tokenizer_model: str | None = option(None, "tokenizer.json (HFTokenizer), .model (SentencePiece), or a Hugging "
+                                         "Face tokenizer directory holding one (CodeGeeXTokenizer: e.g. a local "
+                                         "copy of EleutherAI/gpt-j-6B's tokenizer files)")
     vocab_file: str | None = option(None, "GPT-2 vocab.json (GPT2BPETokenizer, CodeGeeXTokenizer)")
     merge_file: str | None = option(None, "GPT-2 merges.txt (GPT2BPETokenizer, CodeGeeXTokenizer)")
     whitespace_encoding: bool = option(False, "CodeGeeX's whitespace tokens for runs of spaces (always on with "
@@ -327,7 +351,9 @@ class LoggingConfig:
                                               "_rank<R> goes before its extension")
 
     def check(self, world_size: int, save: str | None) -> None:
-        """The profiling flags against the run, before any process group; ConfigError naming the flag."""
+        """The sinks' directories and the profiling flags against the run, before any process group; ConfigError
+        naming the flag."""
+        self.check_sink_dirs(save)
         if not (self.profile or self.record_memory_history):
             if self.memory_snapshot_path is not None:
                 raise ConfigError("--memory-snapshot-path goes with --record-memory-history")
@@ -343,6 +369,21 @@ class LoggingConfig:
             flag = "--profile" if self.profile else "--record-memory-history"
             raise ConfigError(f"{flag} writes into <tensorboard-dir or save>/profile/: pass --tensorboard-dir DIR or "
                               f"--save DIR" + ("" if self.profile else " (or --memory-snapshot-path FILE)"))
+
+    def check_sink_dirs(self, save: str | None) -> None:
+        """TensorBoard's event files and profiles go to a local directory (a URL needs a file-system package and ends
+        in a traceback on the logging rank); wandb's directory is written, unredacted, into wandb's own logs, so it
+        must not hold a credential (config/redaction.py). Messages show paths redacted."""
+        if self.tensorboard_dir and "://" in self.tensorboard_dir:
+            raise ConfigError(f"--tensorboard-dir {redact_secrets(self.tensorboard_dir)} is a URL: TensorBoard writes "
+                              f"to a local (or mounted) directory here; give one, and copy it to the bucket afterwards")
+        wandb_dir = os.path.abspath(self.wandb_dir or save or os.curdir)
+        if self.wandb_project and redact_secrets(wandb_dir) != wandb_dir:
+            where = "--wandb-dir" if self.wandb_dir else "--save (the default --wandb-dir)" if save else \
+                "the current directory (the default --wandb-dir)"
+            raise ConfigError(f"--wandb-project: {where} {redact_secrets(wandb_dir)} holds a credential, and wandb "
+                              f"writes its directory unredacted into its own logs and run file: give --wandb-dir a "
+                              f"directory without it")
     log_level: str = option("info", "console messages at this level and above (rank 0's; see --log-all-ranks); "
                             "Megatron's numbers too: 10 debug, 20 info, 30 warning, 40 error",
                             choices=tuple(LOG_LEVELS))
@@ -582,6 +623,9 @@ def validate(args: Args, world_size: int, model: ModelConfig | None = None) -> P
         raise ConfigError("--lr-warmup-iters and --lr-warmup-fraction are exclusive")
     if o.min_lr > o.lr:
         raise ConfigError(f"--min-lr {o.min_lr} is above --lr {o.lr}")
+    if o.override_opt_param_scheduler and o.use_checkpoint_opt_param_scheduler:
+        raise ConfigError(f"{OVERRIDE_FLAG} (the flags' LR schedule) and {USE_CHECKPOINT_FLAG} (the checkpoint's) "
+                          f"are exclusive: choose one")
     recompute = recompute_from_args(args)  # the one place the --recompute-* flags are read; raises ConfigError
     if args.parallel.sequence_parallel:
         if dims.tp_size == 1:

@@ -14,13 +14,17 @@ values::
 
 The file becomes flags in front of the command line's (``expand``), so every value goes through the flag's own
 type, choices and range, and a flag given on the command line wins (a ``store_true`` switch set in the file stays on:
-such flags have no ``--no-`` form). Every mistake is one line naming the file and the key: an unknown key with the
-closest known one, a wrong type, a value out of range. Two sections serve the other readers of configs/*.yaml and
-are skipped here: ``launch:`` (scripts/pretrain_codegen.sh's memory defaults, which depend on the layout) and
-``planner:`` (the planner's cluster and vocabulary; accounting/planner.py checks it).
+such flags have no ``--no-`` form). The file is read strictly (config/strict_yaml.py): a plain scalar means what the
+same word means on the command line, and a form YAML 1.1 reads otherwise (``0100``, ``1:00``, ``yes``), a key given
+twice (in any of its spellings), a deep nesting, a file that is not UTF-8 or larger than 1 MiB are refused; a list
+is only for a list flag, and its items are values, never flags. Every mistake is one line naming the file and the
+key: an unknown key with the closest known one, a wrong type, a value out of range. Two sections serve the other
+readers of configs/*.yaml and are skipped here: ``launch:`` (scripts/pretrain_codegen.sh's memory defaults, which
+depend on the layout) and ``planner:`` (the planner's cluster and vocabulary; accounting/planner.py checks it).
 
 ``dump_resolved(args)`` writes a run's ``Args`` as such a file: ``pretrain --config`` of it rebuilds the same
-``Args``. ``write_resolved`` puts it in the run's output directory (<save>/config.yaml). docs/config-files.md.
+``Args`` (a value whose credential was redacted must be given again on the command line: ``refuse_redacted``).
+``write_resolved`` puts it in the run's output directory (<save>/config.yaml). docs/config-files.md.
 """
 
 from __future__ import annotations
@@ -36,12 +40,16 @@ from typing import Any
 
 import yaml
 
+from codegeex_train.config import strict_yaml
 from codegeex_train.config.options import flag_name
+from codegeex_train.config.redaction import REDACTED, redact_secrets
+from codegeex_train.data.bounded_read import FileReadError, read_text
 
 LAUNCH_SECTION, PLANNER_SECTION = "launch", "planner"
 LAUNCH_KEYS = ("recompute", "sequence_parallel_with_tp")
 NOT_DUMPED = ("dry_run", "dry_run_skip_data")  # a resolved config runs the run: never a dry run again
 RESOLVED_NAME = "config.yaml"
+MAX_CONFIG_BYTES = 1 << 20  # a resolved config is about 5 kB
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"  # the presets, beside scripts/ in the checkout
 
 
@@ -66,17 +74,15 @@ def known_keys(sections: dict[str, type]) -> dict[str, dict[str, dataclasses.Fie
     return keys
 
 
-def load(path: str) -> dict[str, Any]:
-    """The file's top-level mapping, or ConfigFileError."""
+def load(path: str, words: bool = False) -> dict[str, Any]:
+    """The file's top-level mapping (a regular file, at most ``MAX_CONFIG_BYTES``, UTF-8, read by
+    ``strict_yaml.parse``: ``words`` keeps numbers as the words written), or ConfigFileError."""
     try:
-        with open(path, encoding="utf-8") as fh:
-            data = yaml.safe_load(fh)
-    except OSError as e:
-        raise ConfigFileError(f"--config {path}: cannot read it ({e.strerror})") from None
-    except yaml.YAMLError as e:
-        where = getattr(e, "problem_mark", None)
-        at = f" at line {where.line + 1}" if where is not None else ""
-        raise ConfigFileError(f"--config {path}: not valid YAML{at} ({getattr(e, 'problem', None) or e})") from None
+        data = strict_yaml.parse(read_text(path, MAX_CONFIG_BYTES, "--config"), words)
+    except FileReadError as e:
+        raise ConfigFileError(str(e)) from None
+    except strict_yaml.StrictYamlError as e:
+        raise ConfigFileError(f"--config {path}: {e}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -93,9 +99,10 @@ def _closest(name: str, keys: dict[str, dict[str, dataclasses.Field]]) -> str:
 
 
 def _entries(path: str, data: dict[str, Any], sections: dict[str, type]) -> list[tuple[str, dataclasses.Field, Any]]:
-    """(dotted key, field, value) of every setting, in file order; an unknown key or section is an error."""
+    """(dotted key, field, value) of every setting, in file order; an unknown key or section, or a flag set twice
+    (``num_layers`` and ``num-layers``, ``lr`` and ``learning_rate``), is an error."""
     keys = known_keys(sections)
-    entries = []
+    entries, seen = [], {}
     for section, values in data.items():
         section = str(section)
         if section == PLANNER_SECTION:
@@ -117,32 +124,44 @@ def _entries(path: str, data: dict[str, Any], sections: dict[str, type]) -> list
             name = str(key).replace("-", "_")
             if name not in keys[section]:
                 raise ConfigFileError(f"--config {path}: unknown key {section}.{key}{_closest(name, keys)}")
-            entries.append((f"{section}.{key}", keys[section][name], value))
+            field = keys[section][name]
+            if field.name in seen:
+                raise ConfigFileError(f"--config {path}: {seen[field.name]} and {section}.{key} both set "
+                                      f"{flag_name(field)}: keep one")
+            seen[field.name] = f"{section}.{key}"
+            entries.append((f"{section}.{key}", field, value))
     return entries
 
 
 def _tokens(path: str, key: str, action: argparse.Action, value: Any) -> list[str]:
     """The command-line words of one setting."""
     flag = action.option_strings[0]
+    if value is None:
+        return []  # unset: the flag's default (None for every optional flag)
     if isinstance(action, (argparse._StoreTrueAction, argparse.BooleanOptionalAction)):
         if not isinstance(value, bool):
-            raise ConfigFileError(f"--config {path}: {key} must be true or false, not {value!r}")
+            raise ConfigFileError(f"--config {path}: {key} must be true or false, not {_shown(value)}")
         if value:
             return [flag]
         # --x/--no-x: the negative form; a store_true switch (--fp16, --no-load-optim itself) is off by default
         return [f"--no-{flag[2:]}"] if isinstance(action, argparse.BooleanOptionalAction) else []
-    if value is None:
-        return []  # unset: the flag's default (None for every optional flag)
     if isinstance(value, bool) or isinstance(value, (dict, list)) and action.nargs != "+":
-        raise ConfigFileError(f"--config {path}: {key} {_yaml_value(value)}: expected one "
+        raise ConfigFileError(f"--config {path}: {key} {_shown(value)}: expected one "
                               f"{getattr(action.type, '__name__', 'str')} value")
     values = value if isinstance(value, list) else [value]
     if not values or any(isinstance(v, (dict, list, bool)) or v is None for v in values):
-        raise ConfigFileError(f"--config {path}: {key} must be a list of values, not {_yaml_value(value)}")
+        raise ConfigFileError(f"--config {path}: {key} must be a list of values, not {_shown(value)}")
     return [flag, *(str(v) for v in values)]
 
 
-def _yaml_value(value: Any) -> str:
+def _shown(value: Any) -> str:
+    """A value as the file wrote it (words unquoted: the file is read with ``words=True``)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        return "[" + ", ".join(map(_shown, value)) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_shown(v)}" for k, v in value.items()) + "}"
     return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
 
 
@@ -153,6 +172,10 @@ class _Refusal(Exception):
 def _check(parser: argparse.ArgumentParser, path: str, key: str, field: dataclasses.Field, tokens: list[str]) -> Any:
     """Parse one setting alone (its type and choices) and check its range: a bad value is one line naming the key.
     Returns the parsed value."""
+    for word in tokens[1:]:
+        if parser._parse_optional(word) is not None:  # argparse's own test: this word would be read as a flag
+            raise ConfigFileError(f"--config {path}: {key}: {word} would be read as a flag, not a value (as on the "
+                                  f"command line: a value cannot start with -)")
 
     def refuse(message: str):
         raise _Refusal(message)
@@ -185,7 +208,7 @@ def file_argv(parser: argparse.ArgumentParser, path: str, sections: dict[str, ty
     """The flags a config file stands for (``parser``: the command line generated from ``sections``), each checked
     (type, choices, range); ConfigFileError otherwise."""
     argv = []
-    for key, field, value in _entries(path, load(path), sections):
+    for key, field, value in _entries(path, load(path, words=True), sections):
         action = parser._option_string_actions[flag_name(field)]
         tokens = _tokens(path, key, action, value)
         # a value equal to the default is left to it: the same Args as a command line without the flag
@@ -220,7 +243,30 @@ def expand(parser: argparse.ArgumentParser, argv: list[str] | None, sections: di
     """``argv`` (None: the process's) with ``--config FILE`` replaced by the file's flags in front of the others
     (which win)."""
     path, rest = split_config(sys.argv[1:] if argv is None else list(argv))
-    return rest if path is None else file_argv(parser, path, sections) + rest
+    if path is None:
+        return rest
+    from_file = file_argv(parser, path, sections)
+    refuse_redacted(parser, path, from_file, rest)
+    if from_file and rest and parser._parse_optional(rest[0]) is None:
+        # a stray first word would be one more value of the file's last flag: refused, as on the command line alone
+        raise ConfigFileError(parser.unrecognized(rest[:1]))
+    return from_file + rest
+
+
+def refuse_redacted(parser: argparse.ArgumentParser, path: str, from_file: list[str], rest: list[str]) -> None:
+    """A value ``dump_resolved`` redacted (``<redacted>`` where a credential was) is not the run's value: as a path it
+    would silently be another place. ConfigFileError naming its flag, unless the command line (``rest``) gives that
+    flag, whose value then wins."""
+    actions = parser._option_string_actions
+    given = {actions[word.split("=", 1)[0]].dest for word in rest if word.split("=", 1)[0] in actions}
+    flag = None
+    for word in from_file:  # [flag, value..., flag, value...]
+        if word in actions:
+            flag = actions[word]
+        elif REDACTED in word and flag is not None and flag.dest not in given:
+            name = flag.option_strings[0]
+            raise ConfigFileError(f"--config {path}: {name} {word}: a credential was redacted from this value when "
+                                  f"the file was written; give {name} on the command line (it overrides the file)")
 
 
 def resolved(args: Any) -> dict[str, dict[str, Any]]:
@@ -239,10 +285,16 @@ def resolved(args: Any) -> dict[str, dict[str, Any]]:
 
 
 def dump_resolved(args: Any) -> str:
-    """The fully resolved config of ``args`` as YAML: ``pretrain --config`` of it rebuilds the same ``Args``."""
+    """The fully resolved config of ``args`` as YAML: ``pretrain --config`` of it rebuilds the same ``Args``.
+    Credentials are redacted (``redaction.py``: the file and every checkpoint holding it are shared more widely than
+    the job); ``--config`` refuses a redacted value unless the command line gives its flag (``refuse_redacted``)."""
+    values = resolved(args)
+    redacted = redact_secrets(values)
     header = ("# The resolved configuration of a codegeex_train run: every flag's value (defaults included).\n"
               "# Rerun it with: python -m codegeex_train.pretrain --config THIS_FILE (flags given override it).\n")
-    return header + yaml.safe_dump(resolved(args), sort_keys=False, default_flow_style=False, width=120)
+    if redacted != values:
+        header += f"# Values holding {REDACTED} held a credential: give those flags on the command line too.\n"
+    return header + yaml.safe_dump(redacted, sort_keys=False, default_flow_style=False, width=120)
 
 
 def write_resolved(args: Any, directory: str) -> str:

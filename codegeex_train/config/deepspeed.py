@@ -12,8 +12,10 @@ from typing import Any
 
 from codegeex_train.config.arguments import Args, ConfigError
 from codegeex_train.config.plan import ParallelPlan
+from codegeex_train.data.bounded_read import FileReadError, read_text
 
 _MISSING = object()
+MAX_USER_CONFIG_BYTES = 1 << 20  # a DeepSpeed config is a few KiB
 
 
 def _flag_values(args: Args, plan: ParallelPlan) -> dict[tuple[str, ...], tuple[Any, str]]:
@@ -49,15 +51,21 @@ def _set(config: dict, path: tuple[str, ...], value: Any) -> None:
 
 
 def load_user_config(path: str | None) -> dict:
+    """The JSON object of --deepspeed-config (a regular file of at most ``MAX_USER_CONFIG_BYTES``), or {}."""
     if path is None:
         return {}
     try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"--deepspeed-config {path}: no such file") from None
+        config = json.loads(read_text(path, MAX_USER_CONFIG_BYTES, "--deepspeed-config"))
+    except FileReadError as e:
+        raise ConfigError(str(e)) from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"--deepspeed-config {path}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise ConfigError(f"--deepspeed-config {path}: JSON nested too deeply") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"--deepspeed-config {path}: a JSON {type(config).__name__}, not an object of DeepSpeed "
+                          f"settings")
+    return config
 
 
 def build_deepspeed_config(args: Args, plan: ParallelPlan, user: dict | None = None) -> dict:

@@ -75,6 +75,9 @@ PRETRAIN: dict[str, ForeignFlag] = {
     **_same("--distributed-backend", "also auto (the default): nccl on GPU, gloo on CPU"),
     **_same("--fp16", "dynamic loss scaling by DeepSpeed (settings: fp16 section of --deepspeed-config)"),
     **_same("--train-iters", "default 100 (Megatron: no default)"),
+    **_same("--override-opt_param-scheduler --use-checkpoint-opt_param-scheduler",
+            "as Megatron's: without one of them a resume whose LR schedule (lr, min lr, warm-up, decay iterations "
+            "and style, global batch) differs from the checkpoint's is refused"),
     **_same("--lr", "default 3e-4 (Megatron: no default)"),
     **_same("--eval-iters", "default 10 (Megatron: 100)"),
     **_same("--log-interval", "default 10 (Megatron: 100)"),

@@ -9,7 +9,8 @@ a field; `.parquet` has a text column; `.txt` is one document per file; a file o
 source files (matched by extension, directories searched recursively in sorted order) gives one
 document per file, optionally prefixed with a CodeGeeX language tag (`# language: Python`).
 Directories yield the files whose extension is in `extensions`, so `extensions=(".jsonl",)`
-reads a directory of JSON lines files.
+reads a directory of JSON lines files; only regular files inside the directory, never through a
+symbolic link unless `follow_symlinks` (input_tree.py; what is skipped is counted in `CorpusStats`).
 
 JSON lines are read as bytes, one line at a time, so a bad line (invalid UTF-8 or JSON, nested too
 deeply, not an object, no string field, a lone surrogate the tokenizer cannot take) is reported at
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from codegeex_train.data.code_languages import language_header
+from codegeex_train.data.input_tree import TreeSkips, tree_files
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,8 @@ class CorpusStats:
     """Empty documents, always dropped."""
     oversized: int = 0
     """Documents longer than `max_chars`, dropped."""
+    tree: TreeSkips = dataclasses.field(default_factory=TreeSkips)
+    """Entries of input directories not read: symbolic links and special files (input_tree.py)."""
     bytes_total: int = 0
     """Size on disk of every input file (known once the inputs are listed): a progress bar's total."""
     bytes_read: int = 0
@@ -103,21 +107,31 @@ def _open_binary(path: Path) -> IO[bytes]:
     return gzip.open(path, "rb") if path.name.lower().endswith(".gz") else open(path, "rb")
 
 
-def expand_inputs(inputs: list[str], extensions: tuple[str, ...] = (".py",)) -> list[Path]:
-    """Files named by `inputs`; directories become their source files with `extensions`, sorted."""
-    return [path for _, path in _expand_named(inputs, extensions)]
+def expand_inputs(inputs: list[str], extensions: tuple[str, ...] = (".py",), follow_symlinks: bool = False,
+                  skips: TreeSkips | None = None) -> list[Path]:
+    """Files named by `inputs`; directories become their regular files with `extensions`, sorted (input_tree.py:
+    links inside are followed only with `follow_symlinks`, and only to files inside; what is left out is counted
+    in `skips`)."""
+    skips = skips if skips is not None else TreeSkips()
+    return [path for _, path in _expand_named(inputs, extensions, follow_symlinks, skips)]
 
 
-def _expand_named(inputs: list[str], extensions: tuple[str, ...]) -> list[tuple[str, Path]]:
+def _expand_named(inputs: list[str], extensions: tuple[str, ...], follow_symlinks: bool,
+                  skips: TreeSkips) -> list[tuple[str, Path]]:
     """(input entry, file) for every file `expand_inputs` lists."""
     files: list[tuple[str, Path]] = []
     for name in inputs:
         path = Path(name)
         if path.is_dir():
-            found = (p for p in path.rglob("*") if p.is_file() and p.suffix in extensions)
-            files.extend((name, p) for p in sorted(found, key=lambda p: p.relative_to(path).as_posix()))
+            try:
+                files.extend((name, p) for p in tree_files(path, extensions, follow_symlinks, skips))
+            except OSError as e:
+                raise CorpusError(f"corpus input {name}: cannot list {e.filename}: {e.strerror}") from None
         elif path.is_file():
             files.append((name, path))
+        elif path.exists():
+            raise CorpusError(f"corpus input {name}: not a regular file or a directory (a FIFO, socket or device); "
+                              f"give a file or a directory")
         else:
             raise CorpusError(f"corpus input {name}: no such file or directory")
     return files
@@ -250,11 +264,15 @@ def iter_records(
     skip_bad_lines: bool = False,
     stats: CorpusStats | None = None,
     max_chars: int = 0,
+    follow_symlinks: bool = False,
 ) -> Iterator[Record]:
     """Every document of `inputs` with where it came from, in input order (see `iter_documents`, which
-    keeps its rules: empty and oversized documents dropped and counted, bad records raise or are skipped)."""
+    keeps its rules: empty and oversized documents dropped and counted, bad records raise or are skipped;
+    `follow_symlinks`: `expand_inputs`')."""
     stats = stats if stats is not None else CorpusStats()
-    named = [(name, path, path.stat().st_size) for name, path in _expand_named(inputs, extensions)]
+    named = [(name, path, path.stat().st_size)
+             for name, path in _expand_named(inputs, extensions, follow_symlinks, stats.tree)]
+    _warn_skipped(stats.tree, follow_symlinks)
     stats.bytes_total = sum(size for _, _, size in named)
     for name, path, size in named:
         stats.files += 1
@@ -282,10 +300,22 @@ def iter_records(
         logger.warning("skipped %d bad records in %s", stats.skipped, inputs)
     if stats.documents == 0:
         oversized = f"; {stats.oversized} longer than {max_chars} characters" if stats.oversized else ""
+        skipped = (f"; skipped {stats.tree.links} symbolic links and {stats.tree.special} special files in "
+                   f"directories: a file named on the command line is read through its link"
+                   if stats.tree.links or stats.tree.special else "")
         raise CorpusError(
             f"no documents found in {inputs} (json field {key!r}, source extensions {extensions}"
-            f"{oversized})"
+            f"{oversized}{skipped})"
         )
+
+
+def _warn_skipped(skips: TreeSkips, follow_symlinks: bool) -> None:
+    why = ("leading out of their directory, to a directory or nowhere" if follow_symlinks else
+           "not followed; --follow-symlinks follows those to files inside their directory")
+    parts = ([f"{skips.links} symbolic links ({why})"] if skips.links else []) + (
+        [f"{skips.special} FIFOs, sockets or devices"] if skips.special else [])
+    if parts:
+        logger.warning("input directories: skipped %s: %s", " and ".join(parts), ", ".join(skips.examples))
 
 
 def iter_documents(

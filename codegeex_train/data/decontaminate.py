@@ -19,15 +19,17 @@ mbpp.jsonl, all its problems) or the hub's ``google-research-datasets/mbpp`` tes
 from __future__ import annotations
 
 import dataclasses
-import gzip
 import json
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from codegeex_train.data.bounded_read import FileReadError, read_text
+
 BENCHMARKS = ("humaneval", "humaneval-x", "mbpp")
 DEFAULT_MIN_CHARS = 50
 MBPP_HUB = "google-research-datasets/mbpp"
+MAX_MBPP_BYTES = 256 << 20  # the most read of an MBPP file, decompressed (all of MBPP's 974 problems: under 1 MiB)
 _WORD = re.compile(r"[a-z0-9_]+")  # on lower-cased text
 
 
@@ -105,12 +107,13 @@ def read_mbpp(path: str | Path | None = None) -> list[dict]:
             raise BenchmarkError(f"--decontaminate mbpp: cannot load {MBPP_HUB} with datasets ({why}): {fix}") from None
     path = Path(path)
     try:
-        opener = gzip.open if path.name.endswith(".gz") else open
-        with opener(path, "rt", encoding="utf-8") as f:
-            text = f.read()
+        text = read_text(path, MAX_MBPP_BYTES, gunzip=True)
+    except FileReadError as e:  # not a regular file, missing, over the bound, a broken .gz, not UTF-8
+        raise BenchmarkError(f"--decontaminate-data mbpp: {e}: {fix}") from None
+    try:
         rows = json.loads(text) if text.lstrip().startswith("[") else [json.loads(x) for x in text.splitlines()
                                                                        if x.strip()]
-    except (OSError, EOFError, UnicodeDecodeError, ValueError) as e:
+    except (ValueError, RecursionError) as e:
         raise BenchmarkError(f"--decontaminate-data mbpp={path}: cannot read it as MBPP's JSON lines ({e}): "
                              f"{fix}") from None
     if not rows or not all(isinstance(r, dict) and isinstance(r.get("code"), str) for r in rows):

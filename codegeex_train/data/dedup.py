@@ -6,7 +6,9 @@ of 5-gram shingles of its words (runs of ``[A-Za-z0-9_]``: whitespace, punctuati
 The settings are StarCoder's (BigCode's near_deduplication: 5-grams of such words, 256 permutations, Jaccard
 0.7; The Stack v1 used 0.85, which keeps more near copies). LSH (b bands of r rows, datasketch's choice for the
 threshold) proposes candidates; each is confirmed with the two signatures' estimated Jaccard (1/sqrt(num_perm)
-standard error: 0.03 at 256), so a pair well below the threshold that shares one band is not dropped.
+standard error: 0.03 at 256), so a pair well below the threshold that shares one band is not dropped. LSH needs
+at least two bands, so the threshold's range follows from the permutation count (``check_lsh``: up to 0.989 at 256,
+0.863 at 16).
 
 A file is dropped when it duplicates any earlier file, kept or dropped itself: near duplicates chain (cp866.py and
 cp1125.py of the stdlib's codecs are 0.8 alike, and a copy of the second is dropped though the second was), close
@@ -22,6 +24,7 @@ file at 256 permutations.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import re
 
@@ -41,6 +44,44 @@ def shingles(text: str, n: int = NGRAM) -> set[bytes]:
     if len(words) < n:
         return {" ".join(words).encode()} if words else set()
     return {" ".join(words[i:i + n]).encode() for i in range(len(words) - n + 1)}
+
+
+@functools.lru_cache(maxsize=64)
+def _lsh_fits(threshold: float, num_perm: int) -> bool:
+    """Whether datasketch's MinHashLSH takes ``threshold`` at ``num_perm``: it picks the bands and rows that
+    minimise false positives plus negatives, and refuses a choice of one band (ever more rows are needed to tell
+    similarities close to 1 apart)."""
+    from datasketch import MinHashLSH
+
+    try:
+        MinHashLSH(threshold=threshold, num_perm=num_perm)
+    except ValueError:  # "The number of bands are too small (b < 2)"
+        return False
+    return True
+
+
+def max_threshold(num_perm: int) -> float:
+    """The largest --dedup-threshold, in steps of 0.001, that ``num_perm`` permutations allow (the range is one
+    interval: the bands datasketch picks only shrink as the threshold grows)."""
+    lo, hi = 1, 1000
+    if _lsh_fits(1.0, num_perm):
+        return 1.0
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if _lsh_fits(mid / 1000, num_perm) else (lo, mid)
+    return lo / 1000
+
+
+def check_lsh(threshold: float, num_perm: int) -> None:
+    """ValueError naming both flags and the largest threshold that works when near deduplication cannot take
+    ``threshold`` at ``num_perm`` permutations."""
+    if not _lsh_fits(threshold, num_perm):
+        top = max_threshold(num_perm)
+        more = next((n for n in (64, 128, 256, 512, 1024) if n > num_perm and _lsh_fits(threshold, n)), None)
+        raise ValueError(f"--dedup-threshold {threshold} is too high for --dedup-num-perm {num_perm}: MinHash LSH "
+                         f"needs at least 2 bands, which {num_perm} permutations give up to a threshold of {top}; "
+                         f"lower --dedup-threshold to {top} or less"
+                         + (f", or raise --dedup-num-perm to {more}" if more else ""))
 
 
 def jaccard(a: set, b: set) -> float:
@@ -75,6 +116,8 @@ class Deduplicator:
             raise ValueError(f"--dedup {method!r}: expected one of {', '.join(DEDUP_METHODS)}")
         if not 0.0 < threshold <= 1.0:
             raise ValueError(f"--dedup-threshold {threshold}: must be in (0, 1]")
+        if method == "near":
+            check_lsh(threshold, num_perm)
         self.method, self.threshold, self.num_perm = method, threshold, num_perm
         self._exact: dict[bytes, str] = {}
         self._signatures: dict[int, tuple[np.ndarray, str]] = {}

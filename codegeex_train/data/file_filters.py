@@ -15,7 +15,7 @@ import importlib.util
 from collections.abc import Callable, Iterable, Iterator
 
 from codegeex_train.data.decontaminate import DEFAULT_MIN_CHARS, BenchmarkString, Decontaminator
-from codegeex_train.data.dedup import DEDUP_METHODS, DEFAULT_NUM_PERM, DEFAULT_THRESHOLD, Deduplicator
+from codegeex_train.data.dedup import DEDUP_METHODS, DEFAULT_NUM_PERM, DEFAULT_THRESHOLD, Deduplicator, check_lsh
 from codegeex_train.data.source_files import SourceFile
 from codegeex_train.data.worker_pool import BATCH_CHARS, batches
 
@@ -44,6 +44,8 @@ class FilterSpec:
             raise ValueError(f"--dedup-num-perm {self.num_perm}: must be in 16..1024 (StarCoder's: 256)")
         if self.dedup == "near" and importlib.util.find_spec("datasketch") is None:
             raise ValueError("--dedup near needs the datasketch package (pip install datasketch, or pip install -e .)")
+        if self.dedup == "near":
+            check_lsh(self.threshold, self.num_perm)
 
     @property
     def active(self) -> bool:

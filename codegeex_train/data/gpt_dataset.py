@@ -8,7 +8,12 @@ Megatron's scheme, rebuilt with numpy:
 * ``sample_idx[i] = (position in doc_idx, token offset)`` where sample i starts. A sample is
   ``seq_length + 1`` tokens and the next one starts on its last token, so the inputs
   (``text[:-1]``) and labels (``text[1:]``) of consecutive samples tile the token stream.
-* ``shuffle_idx``: a permutation of the samples; ``dataset[i]`` is sample ``shuffle_idx[i]``.
+* ``shuffle_idx``: a permutation of the samples; ``dataset[i]`` is sample ``shuffle_idx[i]``. Epoch e's block of
+  samples (those complete within the first e + 1 epochs, not in an earlier block) is shuffled on its own, each epoch
+  from a random stream of its own, so that the index for more samples begins with the index for fewer: a run extended
+  to more iterations (a larger --train-iters) sees the same samples at every iteration it had already trained.
+  (Megatron shuffles all epochs together, so its order changes with --train-iters.) One epoch is exactly the
+  former single shuffle.
 
 The three arrays are cached as .npy next to the data under a hash of their inputs. Given the model's
 (padded) vocabulary size, every sample's ids are checked against it (token_range.in_vocab). With a ``fim``
@@ -41,7 +46,7 @@ __all__ = [
 
 SPLIT_NAMES = ("train", "valid", "test")
 _ARRAYS = ("doc_idx", "sample_idx", "shuffle_idx")
-_INDEX_FORMAT = 1  # bump when the index-building algorithm changes, to invalidate caches
+_INDEX_FORMAT = 2  # bump when the index-building algorithm changes, to invalidate caches
 
 
 def parse_data_prefix(data_prefix: Sequence[str] | str) -> list[tuple[float, str]]:
@@ -86,23 +91,28 @@ def split_document_ranges(split: str, num_documents: int) -> list[tuple[int, int
 def build_sample_index(
     sizes: np.ndarray, documents: np.ndarray, seq_length: int, num_samples: int, seed: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(doc_idx, sample_idx, shuffle_idx) for ``num_samples`` or more samples; pure, seeded."""
+    """(doc_idx, sample_idx, shuffle_idx) for ``num_samples`` or more samples; pure, seeded. The arrays for more
+    samples begin with the arrays for fewer (prefix-stable): each epoch draws its documents' order and its block's
+    shuffle from its own stream (epoch 0: ``seed``; epoch e: ``(seed, e)``)."""
     tokens_per_epoch = int(sizes[documents].sum(dtype=np.int64))
     if tokens_per_epoch < 1:
         raise ValueError("the documents of this split hold no tokens")
-    # Samples available from e epochs: (e * tokens_per_epoch - 1) // seq_length.
+    # Samples complete within e epochs: (e * tokens_per_epoch - 1) // seq_length; epoch e's block ends there.
     num_epochs = max(1, -(-(num_samples * seq_length + 1) // tokens_per_epoch))
-    rng = np.random.RandomState(seed)
-    doc_idx = np.concatenate([rng.permutation(documents) for _ in range(num_epochs)])
+    block_ends = [((e + 1) * tokens_per_epoch - 1) // seq_length for e in range(num_epochs)]
+    streams = [np.random.RandomState(seed if e == 0 else [seed, e]) for e in range(num_epochs)]
+    doc_idx = np.concatenate([rng.permutation(documents) for rng in streams])
     doc_idx = doc_idx.astype(np.int32)
     ends = np.cumsum(sizes[doc_idx], dtype=np.int64)
     starts = ends - sizes[doc_idx]
-    total_samples = (int(ends[-1]) - 1) // seq_length
+    total_samples = block_ends[-1]
     positions = np.arange(total_samples + 1, dtype=np.int64) * seq_length
     # The document holding each position; side="right" steps over empty documents.
     where = np.searchsorted(ends, positions, side="right")
     sample_idx = np.stack([where, positions - starts[where]], axis=1).astype(np.int64)
-    shuffle_idx = rng.permutation(total_samples).astype(np.int64)
+    block_starts = [0, *block_ends[:-1]]
+    shuffle_idx = np.concatenate([begin + rng.permutation(end - begin)
+                                  for rng, begin, end in zip(streams, block_starts, block_ends)]).astype(np.int64)
     return doc_idx, sample_idx, shuffle_idx
 
 

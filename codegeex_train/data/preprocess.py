@@ -14,7 +14,8 @@ MinHash signature) runs in the workers, their decisions here in corpus order, so
 files. Their reports land beside the outputs: ``{output_prefix}_dedup.json``,
 ``{output_prefix}_decontamination.json``; a tokenizer that got the sentinels appended (repository documents with a
 Hugging Face tokenizer that lacked them) is saved as ``{output_prefix}_tokenizer.json``, for training's
---tokenizer-model.
+--tokenizer-model. Beside each dataset ``PREFIX.meta.json`` records the tokenizer that wrote it (its flags and
+fingerprint, ``tokenizer_record.py``), which training's data check compares with its own.
 
 A run is all or nothing: the outputs of every JSON key (and the reports) appear together when the last key is done;
 on any failure (a bad record, a dead worker, a full disk, Ctrl-C) no .bin/.idx, report or .tmp is left.
@@ -54,6 +55,7 @@ from codegeex_train.data.repo_documents import (
 )
 from codegeex_train.data.source_files import SourceFile, iter_source_files
 from codegeex_train.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer, build_tokenizer
+from codegeex_train.data.tokenizer_record import dataset_meta_path, dataset_meta_text
 from codegeex_train.data.worker_pool import BATCH_CHARS, INTERRUPTS, OrderedPool, WorkerDiedError, batches
 from codegeex_train.data.worker_pool import interrupts_held as _interrupts_held
 
@@ -251,11 +253,14 @@ def preprocess(
     max_document_chars: int = DEFAULT_MAX_DOCUMENT_CHARS,
     documents: DocumentSpec = DocumentSpec(),
     filters: FilterSpec = FilterSpec(),
+    follow_symlinks: bool = False,
 ) -> PreprocessSummary:
     """Tokenize ``inputs`` once per JSON key into ``output_prefix_for(output_prefix, key)``.
 
     Documents longer than ``max_document_chars`` (0: no limit) are skipped and counted. ``documents`` says what
     a document is (a file, or a repository's files), ``filters`` which files are dropped first (module doc).
+    In input directories only regular files are read, through a symbolic link only with ``follow_symlinks`` and
+    to a file inside the directory (input_tree.py); the others are skipped and counted.
     """
     if workers < 1 or docs_per_batch < 1 or log_interval < 1:
         raise ValueError("--workers, --log-interval and the batch size must be >= 1")
@@ -276,7 +281,7 @@ def preprocess(
     pool = OrderedPool(workers, _init_worker, (tokenizer, append_eod, documents.repo_format if repo else None,
                                                tokens, file_filter),
                        died_hint=f"lower --max-document-chars {limit} or --workers") if workers > 1 else None
-    summary = PreprocessSummary(0, 0, 0.0, [], max_document_chars=max_document_chars)
+    summary = PreprocessSummary(0, 0, 0.0, [], max_document_chars=max_document_chars, follow_symlinks=follow_symlinks)
     ok = False
     try:
         # Each builder writes .tmp files; leaving the stack finalizes them all (success) or
@@ -286,7 +291,8 @@ def preprocess(
             for key in json_keys:
                 stats = CorpusStats()
                 sources = iter_source_files(files, key, documents.fields, tuple(extensions), skip_bad_lines,
-                                            stats, max_document_chars, need_location=repo)
+                                            stats, max_document_chars, need_location=repo,
+                                            follow_symlinks=follow_symlinks)
                 if file_filter:
                     inspect = ((lambda texts: pool.imap(_inspect_in_worker, texts)) if pool
                                else (lambda texts: map(file_filter.inspect, texts)))
@@ -309,6 +315,7 @@ def preprocess(
                 summary.output_prefixes.append(prefix)
                 summary.skipped_bad += stats.skipped
                 summary.skipped_oversized += stats.oversized
+                summary.skipped_links, summary.skipped_special = stats.tree.links, stats.tree.special  # every key's
             if file_filter:
                 summary.duplicates, summary.contaminated = file_filter.duplicates, file_filter.contaminated
                 for name, report in file_filter.reports().items():
@@ -317,6 +324,12 @@ def preprocess(
                 summary.tokenizer_file = f"{output_prefix}_tokenizer.json"
                 reports.add(summary.tokenizer_file, tokenizer_text)
             summary.reports = [p for p in reports.paths if not p.endswith("_tokenizer.json")]
+            # Which tokenizer wrote each dataset, as training must name it (tokenizer_record.py)
+            named = tokenizer if tokenizer_text is None else dataclasses.replace(
+                tokenizer, tokenizer_type="HFTokenizer", tokenizer_model=summary.tokenizer_file, vocab_file=None,
+                merge_file=None)
+            for prefix in summary.output_prefixes:
+                reports.add(dataset_meta_path(prefix), dataset_meta_text(tok, named))
             with _interrupts_held():  # every .tmp is renamed into place, or none is
                 outputs.close()
         ok = True

@@ -1,6 +1,6 @@
 """What a preprocessing run leaves: its summary line, and the files beside the datasets (the JSON reports of
-deduplication and decontamination, the tokenizer with the sentinels appended), which appear with the datasets or
-not at all."""
+deduplication and decontamination, the tokenizer with the sentinels appended, each dataset's tokenizer record
+``PREFIX.meta.json``), which appear with the datasets or not at all."""
 
 from __future__ import annotations
 
@@ -21,6 +21,11 @@ class PreprocessSummary:
     skipped_oversized: int = 0
     """Documents longer than ``max_document_chars``, skipped (summed over JSON keys)."""
     max_document_chars: int = 0
+    skipped_links: int = 0
+    """Symbolic links in input directories, not followed (input_tree.py)."""
+    skipped_special: int = 0
+    """FIFOs, sockets and device nodes in input directories, not read."""
+    follow_symlinks: bool = False
     files: int = 0
     """Source files kept (repository documents: in all the documents)."""
     duplicates: int = 0
@@ -45,6 +50,12 @@ class PreprocessSummary:
         if self.skipped_oversized:
             notes += (f"; skipped {self.skipped_oversized} documents over --max-document-chars "
                       f"{self.max_document_chars}")
+        if self.skipped_links:
+            notes += (f"; skipped {self.skipped_links} symbolic links in input directories "
+                      + ("(leading out of them, to a directory or nowhere)" if self.follow_symlinks else
+                         "(not followed: --follow-symlinks follows those to files inside)"))
+        if self.skipped_special:
+            notes += f"; skipped {self.skipped_special} FIFOs, sockets or devices in input directories"
         if self.files != self.documents:
             notes += f"; {self.files} files in the documents"
         if self.reports:

@@ -104,13 +104,15 @@ def iter_source_files(
     stats: CorpusStats | None = None,
     max_chars: int = 0,
     need_location: bool = False,
+    follow_symlinks: bool = False,
 ) -> Iterator[SourceFile]:
-    """Every file of ``inputs`` in input order (``iter_records``' rules for bad, empty and oversized records).
+    """Every file of ``inputs`` in input order (``iter_records``' rules for bad, empty and oversized records, and
+    for links and special files in directories).
 
     ``need_location`` (repository documents): a row without a repository or a path, or with a line break in
     one, is a bad record (CorpusError naming it, or skipped and counted with ``skip_bad_lines``)."""
     stats = stats if stats is not None else CorpusStats()
-    for record in iter_records(inputs, content_key, extensions, skip_bad_lines, stats, max_chars):
+    for record in iter_records(inputs, content_key, extensions, skip_bad_lines, stats, max_chars, follow_symlinks):
         file = source_file(record, fields)
         if need_location and (why := _missing(file, fields)):
             bad_record(f"{record.origin}: {why}", skip_bad_lines, stats)

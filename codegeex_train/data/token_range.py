@@ -82,7 +82,7 @@ def _first_bad(tokens: np.ndarray, vocab_size: int) -> int | None:
 
 
 def _describe(value, document: int, offset: int, path: str, vocab_size: int) -> str:
-    what = ("negative" if value < 0 else f"beyond the vocabulary ({vocab_size} padded ids from the tokenizer)"
+    what = ("negative" if value < 0 else f"beyond the vocabulary ({vocab_size} ids)"
             if value >= vocab_size else "not a token id")
     return f"token id {value.item()} at position {offset} of document {document} in {path} is {what}"
 

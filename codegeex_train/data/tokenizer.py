@@ -1,8 +1,10 @@
 """Tokenizers behind one small interface, built from Megatron's `--tokenizer-type` names.
 
-- HFTokenizer: a `tokenizer.json` (--tokenizer-model), e.g. the shipped default.
+- HFTokenizer: a `tokenizer.json` (--tokenizer-model), e.g. the shipped default, or a Hugging Face tokenizer
+  directory holding one (or GPT-2's `vocab.json` + `merges.txt`).
 - GPT2BPETokenizer: GPT-2 style `vocab.json` + `merges.txt` (--vocab-file, --merge-file).
-- SentencePieceTokenizer: a SentencePiece `.model` file (--tokenizer-model).
+- SentencePieceTokenizer: a SentencePiece `.model` file (--tokenizer-model), or a directory holding its
+  `tokenizer.model`.
 - CodeGeeXTokenizer: CodeGeeX-13B's, i.e. GPT-J's (GPT-2's 50,257 ids, then `<|extratoken_1|>` ..
   `<|extratoken_143|>` at ids 50,257..50,399) with CodeGeeX's whitespace encoding always on (runs of 2..10
   spaces -> `<|extratoken_10|>` .. `<|extratoken_18|>`). From GPT-2's `vocab.json` + `merges.txt`
@@ -26,6 +28,8 @@ from pathlib import Path
 import tokenizers
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
+from codegeex_train.data.bounded_read import FileReadError, check_file
+from codegeex_train.data.code_tokens import CODEGEEX_SENTINELS, SENTINELS, code_tokens
 from codegeex_train.data.whitespace import (
     DEFAULT_MAX_WHITESPACE_RUN,
     split_whitespace_runs,
@@ -35,6 +39,8 @@ from codegeex_train.data.whitespace import (
 EOD_TOKEN = "<|endoftext|>"
 TOKENIZER_TYPES = ("HFTokenizer", "GPT2BPETokenizer", "SentencePieceTokenizer", "CodeGeeXTokenizer")
 DEFAULT_TOKENIZER_PATH = str(Path(__file__).parent / "assets" / "default_tokenizer.json")
+# Every name a code sentinel has in some vocabulary: StarCoder's, and CodeGeeX's <|extratoken_1..6|>.
+SENTINEL_NAMES = (*SENTINELS, *CODEGEEX_SENTINELS.values())
 
 
 class TokenizerError(ValueError):
@@ -69,12 +75,18 @@ class HFTokenizer(Tokenizer):
     Text is only ever text: a document that literally contains `<|endoftext|>` (or a whitespace
     token) encodes to ordinary tokens, so it can neither fake a document boundary nor lose its
     exact round trip. Special ids come only from the pipeline itself (eod, whitespace runs).
+    `<|endoftext|>` and the code sentinels the file holds (``code_tokens``) are made special whatever
+    the file says: an added token marked non-special is matched in the text, so a file that leaves
+    the flag off would turn a document's literal `<|endoftext|>` into a document boundary.
     """
 
     def __init__(self, tokenizer: tokenizers.Tokenizer):
         tokenizer.encode_special_tokens = True
         self._tokenizer = tokenizer
-        self.eod = self.add_tokens([EOD_TOKEN])[0]
+        self.eod = self.add_tokens([EOD_TOKEN], special=True)[0]
+        sentinels = [t for t in SENTINEL_NAMES if tokenizer.token_to_id(t) is not None]
+        if sentinels:
+            self.add_tokens(sentinels, special=True)  # same ids: only the flag changes
 
     @classmethod
     def from_file(cls, path: str) -> "HFTokenizer":
@@ -212,6 +224,50 @@ def _require_file(path: str | None, flag: str, tokenizer_type: str) -> str:
     return path
 
 
+def _model_source(tokenizer_model: str | None, kind: str) -> tuple[str, object, tuple]:
+    """(description for errors, loader, its args) for --tokenizer-model: a file, or a Hugging Face tokenizer
+    directory (``save_pretrained``'s: tokenizer.json, else GPT-2's vocab.json + merges.txt with added_tokens.json;
+    for SentencePiece its tokenizer.model)."""
+    if tokenizer_model is None:
+        raise TokenizerError(f"--tokenizer-type {kind} needs --tokenizer-model")
+    path = Path(tokenizer_model)
+    what = f"--tokenizer-model {path}"
+    sentencepiece = kind == "SentencePieceTokenizer"
+    load = SentencePieceTokenizer if sentencepiece else HFTokenizer.from_file
+    if path.is_file():
+        return what, load, (str(path),)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{what}: no such file or directory (tokenizer type {kind})")
+    if sentencepiece:
+        if (path / "tokenizer.model").is_file():
+            return what, load, (str(path / "tokenizer.model"),)
+    elif (path / "tokenizer.json").is_file():
+        return what, load, (str(path / "tokenizer.json"),)
+    elif (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
+        return what, _from_gpt2_directory, (str(path / "vocab.json"), str(path / "merges.txt"),
+                                            path / "added_tokens.json")
+    wanted = "tokenizer.model" if sentencepiece else "tokenizer.json or vocab.json + merges.txt"
+    raise TokenizerError(f"{what}: a directory without {wanted} (tokenizer type {kind})")
+
+
+def _from_gpt2_directory(vocab: str, merges: str, added_tokens: Path) -> "HFTokenizer":
+    """vocab.json + merges.txt, and the added tokens of added_tokens.json (``{token: id}``) at their ids."""
+    tokenizer = HFTokenizer.from_gpt2_files(vocab, merges)
+    if added_tokens.is_file():
+        try:
+            table = json.loads(added_tokens.read_text(encoding="utf-8"))
+            items = sorted(table.items(), key=lambda kv: kv[1])
+        except (ValueError, TypeError, AttributeError) as e:
+            raise RuntimeError(f"{added_tokens}: not a JSON object of token -> id ({e})") from None
+        ids = tokenizer.add_tokens([token for token, _ in items])
+        wrong = [(t, want, got) for (t, want), got in zip(items, ids) if want != got]
+        if wrong:
+            t, want, got = wrong[0]
+            raise RuntimeError(f"{added_tokens}: {t} should have id {want} but the vocabulary gives it {got} "
+                               f"({len(wrong)} such)")
+    return tokenizer
+
+
 SPARSE_ID_SLACK = 1024
 """Ids a tokenizer may leave unused beyond as many as it has tokens (reserved ranges) before it is refused."""
 
@@ -227,10 +283,23 @@ def _require_dense_ids(tokenizer: Tokenizer, what: str) -> None:
             f"token has: renumber the tokens 0..{count - 1} (ids may leave at most {count + SPARSE_ID_SLACK} unused)")
 
 
+MAX_TOKENIZER_FILE_BYTES = 256 << 20
+"""The largest tokenizer file read (tokenizer.json, vocab.json, merges.txt, a SentencePiece model): the largest
+public vocabularies' files are tens of MiB."""
+
+
 def _load(what: str, load, *args) -> Tokenizer:
     """Run a tokenizer library's loader on user files; what it raises for a malformed, truncated or
     unreadable file (the Rust ``tokenizers`` a bare Exception, sentencepiece RuntimeError / OSError)
-    becomes one TokenizerError naming ``what`` (the flags and files)."""
+    becomes one TokenizerError naming ``what`` (the flags and files). Each file in ``args`` (the loaders' arguments
+    are the files they read; an optional one may be missing) is first checked a regular file of at most
+    ``MAX_TOKENIZER_FILE_BYTES``: the libraries read a file whole, whatever it is (/dev/zero until memory runs out)."""
+    for path in args:
+        if os.path.lexists(path):
+            try:
+                check_file(path, MAX_TOKENIZER_FILE_BYTES)
+            except FileReadError as e:
+                raise TokenizerError(f"{what}: {e}") from None
     try:
         tokenizer = load(*args)
     except ImportError as e:  # sentencepiece is optional
@@ -256,17 +325,14 @@ def build_tokenizer(
     max_whitespace_run: int = DEFAULT_MAX_WHITESPACE_RUN,
 ) -> Tokenizer:
     """Build a tokenizer from Megatron-style flags; errors name the flag to fix."""
-    if tokenizer_type == "HFTokenizer":
-        path = _require_file(tokenizer_model, "--tokenizer-model", tokenizer_type)
-        tokenizer: Tokenizer = _load(f"--tokenizer-model {path}", HFTokenizer.from_file, path)
+    if tokenizer_type in ("HFTokenizer", "SentencePieceTokenizer"):
+        what, load, args = _model_source(tokenizer_model, tokenizer_type)
+        tokenizer: Tokenizer = _load(what, load, *args)
     elif tokenizer_type == "GPT2BPETokenizer":
         vocab = _require_file(vocab_file, "--vocab-file", tokenizer_type)
         merges = _require_file(merge_file, "--merge-file", tokenizer_type)
         tokenizer = _load(f"--vocab-file {vocab} / --merge-file {merges}", HFTokenizer.from_gpt2_files, vocab,
                           merges)
-    elif tokenizer_type == "SentencePieceTokenizer":
-        path = _require_file(tokenizer_model, "--tokenizer-model", tokenizer_type)
-        tokenizer = _load(f"--tokenizer-model {path}", SentencePieceTokenizer, path)
     elif tokenizer_type == "CodeGeeXTokenizer":
         if max_whitespace_run != CODEGEEX_MAX_WHITESPACE_RUN:
             raise TokenizerError(f"CodeGeeXTokenizer encodes runs of up to {CODEGEEX_MAX_WHITESPACE_RUN} spaces, "
@@ -303,36 +369,7 @@ def _codegeex_source(tokenizer_model: str | None, vocab_file: str | None,
     if tokenizer_model is None:
         raise TokenizerError(f"--tokenizer-type {kind} needs --vocab-file and --merge-file (GPT-2's), or "
                              f"--tokenizer-model (a tokenizer.json or a Hugging Face tokenizer directory)")
-    path = Path(tokenizer_model)
-    if path.is_file():
-        return f"--tokenizer-model {path}", HFTokenizer.from_file, (str(path),)
-    if not path.is_dir():
-        raise FileNotFoundError(f"--tokenizer-model {path}: no such file or directory (tokenizer type {kind})")
-    if (path / "tokenizer.json").is_file():
-        return f"--tokenizer-model {path}", HFTokenizer.from_file, (str(path / "tokenizer.json"),)
-    if (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
-        return (f"--tokenizer-model {path}", _from_gpt2_directory,
-                (str(path / "vocab.json"), str(path / "merges.txt"), path / "added_tokens.json"))
-    raise TokenizerError(f"--tokenizer-model {path}: a directory without tokenizer.json or vocab.json + "
-                         f"merges.txt (tokenizer type {kind})")
-
-
-def _from_gpt2_directory(vocab: str, merges: str, added_tokens: Path) -> "HFTokenizer":
-    """vocab.json + merges.txt, and the added tokens of added_tokens.json (``{token: id}``) at their ids."""
-    tokenizer = HFTokenizer.from_gpt2_files(vocab, merges)
-    if added_tokens.is_file():
-        try:
-            table = json.loads(added_tokens.read_text(encoding="utf-8"))
-            items = sorted(table.items(), key=lambda kv: kv[1])
-        except (ValueError, TypeError, AttributeError) as e:
-            raise RuntimeError(f"{added_tokens}: not a JSON object of token -> id ({e})") from None
-        ids = tokenizer.add_tokens([token for token, _ in items])
-        wrong = [(t, want, got) for (t, want), got in zip(items, ids) if want != got]
-        if wrong:
-            t, want, got = wrong[0]
-            raise RuntimeError(f"{added_tokens}: {t} should have id {want} but the vocabulary gives it {got} "
-                               f"({len(wrong)} such)")
-    return tokenizer
+    return _model_source(tokenizer_model, kind)
 
 
 def _codegeex_tokenizer(tokenizer_model: str | None, vocab_file: str | None,
@@ -372,8 +409,6 @@ def load_tokenizer(flags) -> Tokenizer:
     rows for them. Raises ``TokenizerError`` naming the flag."""
     tokenizer = _tokenizer_from_flags(flags)
     if getattr(flags, "fim_rate", 0):
-        from codegeex_train.data.code_tokens import code_tokens  # code_tokens imports this module
-
         code_tokens(tokenizer)
     return tokenizer
 

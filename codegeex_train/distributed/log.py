@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
 
 from tqdm import tqdm
 
@@ -42,14 +43,16 @@ def get_logger(name: str) -> logging.Logger:
 
 
 class _Formatter(logging.Formatter):
-    def __init__(self, prefix: str) -> None:
+    def __init__(self, prefix: str, redact: Callable[[str], str] | None = None) -> None:
         super().__init__()
-        self.prefix = prefix
+        self.prefix, self.redact = prefix, redact
 
     def format(self, record: logging.LogRecord) -> str:
         text = record.getMessage()
         if record.exc_info:
             text += "\n" + self.formatException(record.exc_info)
+        if self.redact is not None:
+            text = self.redact(text)
         if record.levelno != logging.INFO:
             text = f"{record.levelname.lower()}: {text}"
         return "\n".join(self.prefix + line for line in text.split("\n")) if self.prefix else text
@@ -73,10 +76,11 @@ class _ConsoleHandler(logging.Handler):
 
 
 def setup_logging(level: str = "info", rank: int = 0, all_ranks: bool = False,
-                  info_stream: str = "stdout") -> logging.Logger:
+                  info_stream: str = "stdout", redact: Callable[[str], str] | None = None) -> logging.Logger:
     """Configure the ``codegeex_train`` logger for this process (again on each call: the previous handler goes)
     and return it. ``level``: one of ``LEVELS``; ``rank``: this process's global rank; ``all_ranks``:
-    ``--log-all-ranks``; ``info_stream``: "stdout" or "stderr"."""
+    ``--log-all-ranks``; ``info_stream``: "stdout" or "stderr"; ``redact``: applied to every line (credentials in
+    the paths a line echoes: a launcher tees the console into a log file)."""
     if level not in LEVELS:
         raise ValueError(f"log level {level!r}: use one of {', '.join(LEVELS)}")
     if info_stream not in ("stdout", "stderr"):
@@ -85,7 +89,7 @@ def setup_logging(level: str = "info", rank: int = 0, all_ranks: bool = False,
     for handler in [h for h in logger.handlers if isinstance(h, _ConsoleHandler)]:
         logger.removeHandler(handler)
     handler = _ConsoleHandler(info_stream)
-    handler.setFormatter(_Formatter(f"[rank {rank}] " if all_ranks or rank != 0 else ""))
+    handler.setFormatter(_Formatter(f"[rank {rank}] " if all_ranks or rank != 0 else "", redact))
     logger.addHandler(handler)
     # Other ranks: warnings and errors only (what rank 0 says at info, they would repeat).
     logger.setLevel(LEVELS[level] if all_ranks or rank == 0 else max(LEVELS[level], logging.WARNING))

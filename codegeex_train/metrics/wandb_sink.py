@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from urllib.parse import urlparse
 
-from codegeex_train.metrics.redaction import redact_secrets, secret_values
+from codegeex_train.config.redaction import redact_secrets, secret_values
 
 logger = logging.getLogger(__name__)
 

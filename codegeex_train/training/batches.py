@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from codegeex_train.config.arguments import ConfigError, DataConfig, TrainConfig
 from codegeex_train.context_parallel.chunks import split_for_context_parallel
+from codegeex_train.data.code_tokens import code_tokens
 from codegeex_train.data.fim import fim_from_flags
 from codegeex_train.data.gpt_dataset import (
     build_datasets_from_paths,
@@ -17,8 +18,17 @@ from codegeex_train.data.gpt_dataset import (
 )
 from codegeex_train.data.indexed_dataset import IndexedDatasetError, MMapIndexedDataset
 from codegeex_train.data.sampler import build_pretraining_data_loader
+from codegeex_train.data.stored_documents import holds_eod, opens_with
 from codegeex_train.data.token_range import TokenIdError, check_token_ids
 from codegeex_train.data.tokenizer import Tokenizer, load_tokenizer
+from codegeex_train.data.tokenizer_record import (
+    TOKENIZER_FIELDS,
+    describe_record,
+    describe_tokenizer,
+    mismatch,
+    read_dataset_record,
+    tokenizer_flags,
+)
 from codegeex_train.config.plan import ParallelPlan
 
 
@@ -35,9 +45,51 @@ def _prefixes(cfg: DataConfig) -> list[tuple[str, str]]:
     return out
 
 
-def preflight_data(cfg: DataConfig, padded_vocab_size: int) -> None:
-    """Fail fast, before any process group: missing, foreign or corrupt files, empty data, and any token id outside
-    the vocabulary (the whole dataset's id range, cached beside its index), at every TP size."""
+def _check_data_tokenizer(flag: str, prefix: str, cfg: DataConfig, tokenizer: Tokenizer) -> None:
+    """The tokenizer preprocessing recorded beside the data (``PREFIX.meta.json``) is this run's: the same
+    fingerprint over the ids the data's tokenizer had. Data preprocessed before the record existed is not checked."""
+    try:
+        record = read_dataset_record(prefix)
+    except ValueError as e:
+        raise ConfigError(f"{flag} {prefix}: {e}") from None
+    difference = None if record is None else mismatch(record, tokenizer)
+    if difference is not None:
+        ours = {name: getattr(cfg, name) for name in TOKENIZER_FIELDS}
+        raise ConfigError(f"{flag} {prefix}: written with another tokenizer than this run's: "
+                          f"{describe_tokenizer(record)}, {describe_record(record)}; this run's is "
+                          f"{describe_tokenizer(ours)}, which {difference}: pass {tokenizer_flags(record)} as "
+                          f"tools/preprocess_data.py did, or re-run it with this run's tokenizer")
+
+
+def _refuse_idle_flags(cfg: DataConfig, flag: str, prefix: str, ds: MMapIndexedDataset, tokenizer: Tokenizer) -> None:
+    """Flags that would do nothing on this data, refused (data/stored_documents.py reads a few documents' ends)."""
+    masking = [name for name, on in (("--reset-position-ids", cfg.reset_position_ids),
+                                     ("--reset-attention-mask", cfg.reset_attention_mask),
+                                     ("--eod-mask-loss", cfg.eod_mask_loss)) if on]
+    if masking and not holds_eod(ds, tokenizer.eod):
+        raise ConfigError(f"{' '.join(masking)} would change nothing on {flag} {prefix}: its documents hold no "
+                          f"end-of-document token (id {tokenizer.eod}); re-run tools/preprocess_data.py with "
+                          f"--append-eod, or drop the flag")
+    # FIM leaves a segment holding a sentinel as stored: a repository document is one, unless split into files.
+    if cfg.fim_rate and cfg.fim_split_sample is None and flag in ("--data-path", "--train-data-path"):
+        tokens = code_tokens(tokenizer)  # a run's tokenizer has them already (--fim-rate: fim_from_flags)
+        if opens_with(ds, (tokens.repo_name, tokens.file_sep)):
+            raise ConfigError(f"--fim-rate {cfg.fim_rate} would transform almost nothing of {flag} {prefix}: its "
+                              f"documents are repository documents, which FIM leaves whole; add --fim-split-sample "
+                              f"<file_sep> (FIM then works on each file)")
+
+
+def preflight_data(cfg: DataConfig, padded_vocab_size: int, tokenizer: Tokenizer | None = None) -> None:
+    """Fail fast, before any process group: missing, foreign or corrupt files, empty data, data written by another
+    tokenizer than this run's ``tokenizer`` (default: the one the flags name), and any token id outside that
+    tokenizer's ids (the whole dataset's id range, cached beside its index), at every TP size; and flags that would
+    act on nothing in this data (``_refuse_idle_flags``)."""
+    if tokenizer is None:
+        try:
+            tokenizer = load_tokenizer(cfg)
+        except ValueError as e:  # TokenizerError
+            raise ConfigError(str(e)) from None
+    vocab_size = min(tokenizer.vocab_size, padded_vocab_size)  # the padding rows are no token's
     for flag, prefix in _prefixes(cfg):
         try:
             ds = MMapIndexedDataset(prefix)
@@ -46,10 +98,12 @@ def preflight_data(cfg: DataConfig, padded_vocab_size: int) -> None:
         if len(ds) == 0 or ds.num_tokens == 0:
             raise ConfigError(f"{flag} {prefix}: the dataset holds no documents (empty corpus?); "
                               f"re-run tools/preprocess_data.py on a non-empty --input")
+        _check_data_tokenizer(flag, prefix, cfg, tokenizer)
         try:
-            check_token_ids(ds, padded_vocab_size)
+            check_token_ids(ds, vocab_size)
         except TokenIdError as e:
             raise ConfigError(f"{flag} {prefix}: {e}") from None
+        _refuse_idle_flags(cfg, flag, prefix, ds, tokenizer)
 
 
 def num_samples(train: TrainConfig, plan: ParallelPlan) -> tuple[int, int, int]:

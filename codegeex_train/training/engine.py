@@ -18,13 +18,14 @@ from codegeex_train.training.optim import LRSchedule, build_optimizer
 
 
 def build_engine(model: nn.Module, optim: OptimConfig, train_iters: int, ds_config: dict,
-                 topology: Topology | None = None):
+                 topology: Topology | None = None, global_batch_size: int | None = None):
     """``deepspeed.initialize`` of ``model`` with AdamW (or SGD) and the LR schedule of ``optim`` over
-    ``train_iters`` steps; ``topology`` None: plain data parallelism over the world (no mpu)."""
+    ``train_iters`` steps (``global_batch_size``: recorded with the schedule, which a resume compares); ``topology``
+    None: plain data parallelism over the world (no mpu)."""
     import deepspeed
 
     optimizer = build_optimizer(model, optim)
-    schedule = LRSchedule(optimizer, optim, train_iters)
+    schedule = LRSchedule(optimizer, optim, train_iters, global_batch_size)
     mpu = DeepSpeedMPU(topology) if topology is not None else None
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule, mpu=mpu,
                                            config=ds_config, dist_init_required=False)

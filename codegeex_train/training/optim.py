@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from codegeex_train.config.arguments import OptimConfig
+from codegeex_train.config.lr_schedule import LRScheduleShape
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -38,12 +39,12 @@ class LRSchedule:
     rate of the next step.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, cfg: OptimConfig, train_iters: int):
+    def __init__(self, optimizer: torch.optim.Optimizer, cfg: OptimConfig, train_iters: int,
+                 global_batch_size: int | None = None):
         self.optimizer = optimizer
-        self.max_lr, self.min_lr, self.style = cfg.lr, cfg.min_lr, cfg.lr_decay_style
-        self.decay_iters = cfg.lr_decay_iters or train_iters
-        self.warmup_iters = (round(cfg.lr_warmup_fraction * self.decay_iters) if cfg.lr_warmup_fraction is not None
-                             else cfg.lr_warmup_iters)
+        self.shape = LRScheduleShape.from_flags(cfg, train_iters, global_batch_size)
+        self.max_lr, self.min_lr, self.style = self.shape.max_lr, self.shape.min_lr, self.shape.style
+        self.decay_iters, self.warmup_iters = self.shape.decay_iters, self.shape.warmup_iters
         self.num_steps = 0
         self._apply()
 
@@ -75,10 +76,10 @@ class LRSchedule:
         return self.get_lr()
 
     def state_dict(self) -> dict:
-        return {"num_steps": self.num_steps, "max_lr": self.max_lr, "min_lr": self.min_lr,
-                "decay_iters": self.decay_iters, "warmup_iters": self.warmup_iters, "style": self.style}
+        return {"num_steps": self.num_steps, **self.shape.state()}
 
     def load_state_dict(self, state: dict) -> None:
-        # The schedule's shape comes from this run's flags; only the position is restored.
+        # The schedule's values come from this run's flags (which a resume checked against the checkpoint's, or
+        # replaced by them: config/lr_schedule.py); only the position is restored.
         self.num_steps = state["num_steps"]
         self._apply()

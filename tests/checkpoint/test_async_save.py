@@ -7,11 +7,14 @@ is in flight: tests/cluster/test_async_save_preemption.py."""
 import io
 import os
 import pathlib
+import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from codegeex_train.checkpoint.async_save import BackgroundWriter, snapshot
+from codegeex_train.checkpoint.async_save import AsyncCheckpointer, BackgroundWriter, snapshot
+from codegeex_train.checkpoint.deepspeed_checkpoint import commit_save
 from codegeex_train.checkpoint.files import META_KEY, read_latest
 from tests.checkpoint.test_hostile_checkpoints import (  # noqa: F401 - fixtures: small_tmpfs needs trained
     assert_failed_save,
@@ -83,9 +86,65 @@ def test_background_writer_stops_a_save_at_its_first_failure(tmp_path):
     assert failed.done.wait(30) and failed.failure == (str(tmp_path / "iter_0000002"), "Permission denied")
 
 
+SLOW_WRITE_S = 0.5  # rank 1's write: long enough for a commit that does not wait for it to move `latest` first
+
+
+def commit_while_a_rank_writes(topology, save_dir: str, mode: str):
+    """A rank's body: each rank writes its file of iter_0000001, rank 1 slowly, then commits as the trainer does:
+    ``sync``, each rank calls commit_save after its own write; else in the background, committed at the end of the
+    run (``end``: wait) or polled at each step boundary (``polled``). Returns (the tag committed, whether rank 1
+    found `latest` already moved when its write began, the polls that returned None, the tag's files then)."""
+    rank, tag = dist.get_rank(), "iter_0000001"
+    tag_dir = os.path.join(save_dir, tag)
+    latest_before_write = []
+
+    def write(obj, path):
+        if rank == 1:
+            time.sleep(SLOW_WRITE_S)
+            latest_before_write.append(os.path.exists(os.path.join(save_dir, "latest")))
+        torch.save(obj, path)
+        return None
+
+    os.makedirs(tag_dir, exist_ok=True)
+    state, path = {"w": torch.full((4,), float(rank))}, os.path.join(tag_dir, f"rank_{rank}.pt")
+    polls = 0
+    if mode == "sync":
+        write(state, path)
+        commit_save(save_dir, tag, None)
+        committed = tag
+    else:
+        writer = BackgroundWriter()
+        writer.begin(save_dir, tag)
+        writer.submit(state, path, write)
+        writer.seal()
+        checkpointer = AsyncCheckpointer(writer)
+        committed = checkpointer.commit(wait=mode == "end")
+        while committed is None and mode == "polled" and polls < 1000:
+            polls += 1
+            time.sleep(0.005)
+            committed = checkpointer.commit(wait=False)
+    return committed, latest_before_write, polls, sorted(os.listdir(tag_dir))
+
+
+@pytest.mark.parametrize("mode", ["sync", "end", "polled"])
+def test_latest_moves_only_after_every_ranks_write(tmp_path, mode):
+    """2 gloo ranks, rank 1's write slow: `latest` names the tag only once both ranks' files are written; a polled
+    commit returns None on every rank alike until then, each poll one collective (the ranks stay in step). The
+    cluster test test_async_save_preemption.py kills a job in that window."""
+    results = run_distributed(commit_while_a_rank_writes, world_size=2, deadline_s=60, save_dir=str(tmp_path),
+                              mode=mode)
+    for rank, (committed, _, _, files) in enumerate(results):
+        assert committed == "iter_0000001" and files == ["rank_0.pt", "rank_1.pt"], (rank, committed, files)
+    assert results[1][1] == [False], "`latest` moved before rank 1's write"
+    assert read_latest(str(tmp_path)) == "iter_0000001"
+    if mode == "polled":  # rank 0, done first, went on polling as long as rank 1 was writing
+        assert results[0][2] == results[1][2] > 0, [r[2] for r in results]
+
+
 def same_structure(a, b, where="") -> list[str]:
     """Where two loaded checkpoint files differ: keys, types, tensors (dtype, shape, values), other leaves; our
-    metadata's resolved_config (the run's flags, --async-save among them) is not compared."""
+    metadata's resolved_config (the run's flags, --async-save among them) and the training state's run_id (each run
+    its own) are not compared."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         same = (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
                 and a.shape == b.shape and torch.equal(a, b))
@@ -93,7 +152,8 @@ def same_structure(a, b, where="") -> list[str]:
     if isinstance(a, dict) and isinstance(b, dict):
         if list(a) != list(b):
             return [f"{where}: keys {list(a)} != {list(b)}"]
-        return [d for k in a if k != "resolved_config" for d in same_structure(a[k], b[k], f"{where}/{k}")]
+        return [d for k in a if k not in ("resolved_config", "run_id")
+                for d in same_structure(a[k], b[k], f"{where}/{k}")]
     if isinstance(a, (list, tuple)) and type(a) is type(b) and len(a) == len(b):
         return [d for i, (x, y) in enumerate(zip(a, b)) for d in same_structure(x, y, f"{where}[{i}]")]
     if type(a) is type(b) and hasattr(a, "__dict__") and not isinstance(a, type):  # e.g. DeepSpeed's loss scaler

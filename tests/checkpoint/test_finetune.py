@@ -152,10 +152,10 @@ def test_relaunching_a_finetune_resumes_from_save(pretrained, finetuned, tiny_da
     shutil.copytree(first["save"], save)  # the first launch's --save (a copy: the fixture's stays as it was)
     [seen] = train(tiny_data, save, 1, "--load", str(pretrained["dirs"]["training"]), "--finetune",
                    "--exit-interval", "2")
-    notes = [line for line in seen["stdout"].splitlines() if line.startswith("--finetune:")]
-    assert notes == [f"--finetune: --save {save} already holds a checkpoint (iter_0000002); resuming from it instead "
-                     f"of starting over from --load {pretrained['dirs']['training']} (empty --save to start the "
-                     f"fine-tuning afresh)"]
+    notes = [line for line in seen["stdout"].splitlines() if line.startswith(f"--save {save} holds a run")]
+    assert notes == [f"--save {save} holds a run (iter_0000002): resuming it instead of starting over from --load "
+                     f"{pretrained['dirs']['training']} (this run saved before it stopped); --start-over starts a new "
+                     f"run there instead"]
     assert (seen["iteration"], seen["consumed"]) == (2, 2 * BATCH)
     assert seen["adam_states"] > 0  # the fine-tuning run's own optimizer state
     saved, _, _ = load_full_state_dict(first["save"])

@@ -209,7 +209,7 @@ def test_file_swapped_after_the_check_runs_nothing(trained, tiny_data, tmp_path,
     state = torch.load(tag_dir / victim, map_location="cpu", weights_only=False)  # ours: trusted
     state["payload"] = TouchOnUnpickle(marker)
     torch.save(state, payload)
-    argv = tiny_pretrain_args(tiny_data, str(tmp_path / "out"), 4) + ["--load", str(ckpt)]
+    argv = tiny_pretrain_args(tiny_data, str(tmp_path / "out"), 4, "--lr-decay-iters", "2") + ["--load", str(ckpt)]
     with pytest.raises(RankFailure) as failure:
         run_distributed(swap_after_preflight, world_size=1, deadline_s=300, argv=argv, victim=str(tag_dir / victim),
                         payload=str(payload))

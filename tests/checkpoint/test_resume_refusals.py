@@ -6,6 +6,7 @@ are then accepted.
 One real training checkpoint (TP 2, DP 1: two model-parallel ranks, each with its model file and its ZeRO file) is
 made once per module and copied per test, then damaged as a lost file, a renamed directory or a foreign file would."""
 
+import re
 import shutil
 
 import pytest
@@ -26,7 +27,8 @@ from codegeex_train.checkpoint.resume import ResumeKind
 from codegeex_train.checkpoint.sharding import split_model_parallel
 from codegeex_train.config.model_config import ModelConfig
 from codegeex_train.model.codegeex import CodeGeeXModel
-from tests.harness import load_tool, run_distributed, run_pretrain, tiny_pretrain_args
+from codegeex_train.data.tokenizer import DEFAULT_TOKENIZER_PATH
+from tests.harness import another_tokenizer, load_tool, run_distributed, run_pretrain, tiny_pretrain_args
 
 TP2 = ("--tensor-model-parallel-size", "2")
 TAG = "iter_0000002"
@@ -57,7 +59,8 @@ def copy(saved, tmp_path, monkeypatch):
 
 
 def argv(data, load, *extra):
-    return tiny_pretrain_args(data, "out", 4, *TP2, "--load", str(load), *extra)
+    # 2 more iterations, the checkpoint's LR decay kept (its --train-iters 2): the schedule is the same
+    return tiny_pretrain_args(data, "out", 4, *TP2, "--lr-decay-iters", "2", "--load", str(load), *extra)
 
 
 def refused(capsys, monkeypatch, argv, *fragments) -> str:
@@ -245,6 +248,45 @@ def test_zero_files_of_another_model_are_refused(saved):
                                               r"layers\.0\.mlp\.dense_h_to_4h\.weight across the DP ranks; the model "
                                               r"built from the flags has 4096 \(shape \(128, 32\)\)"):
         check_zero_partitions(files, {r: rank_parameter_shapes(wider, 2, [range(2)], 0) for r in (0, 1)})
+
+
+# --- the tokenizer the checkpoint was trained with: its fingerprint -----------------------------------------------
+
+@pytest.fixture
+def unrecorded_data(tiny_data, tmp_path):
+    """tiny_data without its tokenizer record (PREFIX.meta.json), as data preprocessed before records: the data check
+    leaves the tokenizer to the resume check."""
+    for suffix in (".bin", ".idx"):
+        shutil.copy(tiny_data + suffix, tmp_path / f"unrecorded{suffix}")
+    return str(tmp_path / "unrecorded")
+
+
+@pytest.mark.parametrize("kind", ["training", "universal"])
+def test_another_tokenizer_is_refused_on_resume(copy, unrecorded_data, capsys, monkeypatch, tmp_path, kind):
+    """A tokenizer of the same size (the same padded vocabulary, so the same shapes) whose ids mean other tokens is
+    refused; the checkpoint's tokenizer by another path (a Hugging Face directory) resumes."""
+    ckpt = copy(kind)
+    other = another_tokenizer(tmp_path / "other")
+    line = refused(capsys, monkeypatch, argv(unrecorded_data, ckpt, "--tokenizer-type", "HFTokenizer",
+                                             "--tokenizer-model", other, "--whitespace-encoding"),
+                   f"--load {ckpt} ({TAG}) was trained with another tokenizer than this run's: the shipped default "
+                   "(with whitespace encoding), fingerprint ", f", 8192 ids; this run's is HFTokenizer {other}, "
+                   "whitespace encoding, which has fingerprint ", " over those ids: pass no tokenizer flags (the "
+                   "shipped default), as the run that saved it did")
+    assert len(set(re.findall(r"fingerprint ([0-9a-f]{16})", line))) == 2
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    shutil.copy(DEFAULT_TOKENIZER_PATH, hf / "tokenizer.json")
+    same = ("--tokenizer-type", "HFTokenizer", "--tokenizer-model", str(hf), "--whitespace-encoding")
+    assert accepted(argv(unrecorded_data, ckpt, *same)).kind is ResumeKind(kind)
+
+
+def test_a_checkpoint_without_a_fingerprint_is_not_checked(copy, unrecorded_data, tmp_path):
+    """Saved before fingerprints, or converted from elsewhere: the tokenizer is the user's to choose, as before."""
+    ckpt = copy("weights")  # save_model_checkpoint without tokenizer settings
+    other = another_tokenizer(tmp_path / "other")
+    flags = ("--tokenizer-type", "HFTokenizer", "--tokenizer-model", other, "--whitespace-encoding")
+    assert accepted(argv(unrecorded_data, ckpt, *flags)).kind is ResumeKind.WEIGHTS
 
 
 # --- the shapes come from the config alone, and are the model's --------------------------------------------------

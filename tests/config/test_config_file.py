@@ -3,7 +3,6 @@ preset read alike by the pretraining parser, the script, the planner and the GPU
 writes and its checkpoints record, and the one-line errors."""
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ from codegeex_train.accounting.planner import from_preset, preset_values
 from codegeex_train.checkpoint.files import META_KEY, read_latest, shard_file
 from codegeex_train.checkpoint.safe_load import safe_torch_load
 from codegeex_train.config.arguments import parse_args
-from codegeex_train.config.config_file import CONFIGS_DIR, dump_resolved
+from codegeex_train.config.config_file import CONFIGS_DIR, dump_resolved, section
 from tests.harness import metrics_records, run_distributed, run_pretrain, tiny_pretrain_args
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -112,6 +111,29 @@ def test_overrides_switches_lists_and_round_trip(tmp_path):
     ("launch:\n  recompte: full\n", "unknown key launch.recompte"),
     ("model: [\n", "not valid YAML at line 2"),
     ("- 1\n", "expected sections"),
+    # as strict as the command line (issue 43): a list item is a value, never a flag
+    ('data:\n  data_path: [D, --unsafe-no-sandbox, --eval-humaneval-interval, "100"]\n',
+     "data.data_path: --unsafe-no-sandbox would be read as a flag, not a value"),
+    ("model:\n  num_layers: [4, --fp16]\n", "model.num_layers [4, --fp16]: expected one int value"),
+    # YAML 1.1's readings that are not the word's: octal, sexagesimal, hex, underscores, yes/off
+    ("train:\n  seq_length: 0100\n", "train.seq_length: 0100 is ambiguous: YAML 1.1 reads 64, the command line 100"),
+    ("train:\n  micro_batch_size: 1:00\n", "train.micro_batch_size: 1:00 is ambiguous: YAML 1.1 reads 60"),
+    ("train:\n  seed: 0x10\n", "train.seed: 0x10 is ambiguous: YAML 1.1 reads 16"),
+    ("train:\n  train_iters: 1_000\n", "train.train_iters: 1_000 is ambiguous"),
+    ("train:\n  fp16: yes\n", "train.fp16: yes is ambiguous: YAML 1.1 reads true"),
+    ("data:\n  data_path: [a, off]\n", "data.data_path[1]: off is ambiguous"),
+    # a key given twice: the same spelling, two spellings of one flag, a section twice
+    ("model:\n  num_layers: 4\n  num_layers: 6\n", "model.num_layers is given twice (lines 2 and 3): keep one"),
+    ("model:\n  num_layers: 4\n  num-layers: 6\n", "model.num_layers and model.num-layers both set --num-layers"),
+    ("optim:\n  lr: 1.0e-3\n  learning_rate: 2.0e-3\n", "optim.lr and optim.learning_rate both set --lr"),
+    ("model:\n  num_layers: 4\nmodel:\n  hidden_size: 8\n", "model is given twice (lines 1 and 3)"),
+    # nesting, aliases and tags
+    ("data:\n  data_path: " + "[" * 3000 + "]" * 3000 + "\n", "nested deeper than 8 levels at line 2"),
+    ("data:\n  data_path: &a [D, *a]\n", "nested deeper than 8 levels (aliases expanded)"),
+    ("a: &a [x, x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
+     "c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b]\nd: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c, *c]\n"
+     "e: [*d, *d, *d, *d, *d, *d, *d, *d, *d, *d]\n", "more than 10000 values (aliases expanded)"),
+    ('model: !!python/object/apply:os.system ["true"]\n', "model: the tag !!python/object/apply:os.system at line 1"),
 ])
 def test_mistakes_are_one_line_naming_file_and_key(tmp_path, capsys, text, message):
     f = tmp_path / "bad.yaml"
@@ -124,7 +146,8 @@ def test_mistakes_are_one_line_naming_file_and_key(tmp_path, capsys, text, messa
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--config", "missing.yaml"], "--config missing.yaml: cannot read it"),
+    (["--config", "missing.yaml"], "--config missing.yaml: no such file"),
+    (["--config", "/dev/zero"], "--config /dev/zero: a character device, not a regular file"),
     (["--config"], "--config needs a file"),
     (["--config", "a.yaml", "--config=b.yaml"], "--config is given twice"),
 ])
@@ -134,17 +157,60 @@ def test_config_flag_mistakes(capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("raw, message", [
+    (b"data:\n  data_path: [caf\xe9]\n", "not UTF-8 text (invalid continuation byte at byte 23)"),
+    (b"model:\n  num_layers: \x00\x01\n", "not valid YAML: character #x0000 at line 2 is not allowed"),
+    (b"# padding\n" * 110_000, "larger than 1 MiB, the bound on this file: refused"),
+])
+def test_bytes_that_are_no_config_are_one_line(tmp_path, capsys, raw, message):
+    """Latin-1, binary and oversized files (read at most 1 MiB + 1 byte): one line, never a traceback."""
+    f = tmp_path / "bad.yaml"
+    f.write_bytes(raw)
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--config", str(f)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err == f"error: --config {f}: {message}\n"
+
+
+def test_a_stray_word_after_the_file_is_refused(tmp_path, capsys):
+    """The file's flags go in front of the command line's: a stray first word would be one more value of the file's
+    last list flag. It is refused as the command line alone refuses it."""
+    f = tmp_path / "c.yaml"
+    f.write_text("data:\n  data_path: [a]\n")
+    with pytest.raises(SystemExit):
+        parse_args(["--config", str(f), "b"])
+    assert capsys.readouterr().err == "error: unexpected value b (every input is a --flag VALUE)\n"
+    assert parse_args(["--config", str(f), "--data-path", "b"]).data.data_path == ["b"]
+
+
+def test_yaml_1_2_readings_the_same_as_the_command_line(tmp_path):
+    """What a file may write, read as the same words on the command line: decimal numbers (leading zeros where YAML
+    1.1 agrees), exponents without a dot, quoted text, a byte-order mark, null for a switch (its default)."""
+    f = tmp_path / "c.yaml"
+    f.write_bytes("\ufeffmodel:\n  num_layers: 007\n  top_query_layer: null\ntrain:\n  seed: +5\n  fp16: TRUE\n"
+                  "optim:\n  lr: 2e-3\ndata:\n  data_path: ['0100', \"1:00\", yes-no, 1e3]\n".encode())
+    args = parse_args(["--config", str(f)])
+    assert args == parse_args(["--num-layers", "007", "--seed", "+5", "--fp16", "--lr", "2e-3", "--data-path",
+                               "0100", "1:00", "yes-no", "1e3"])
+    assert args.data.data_path == ["0100", "1:00", "yes-no", "1e3"] and args.model.top_query_layer is True
+    assert section(str(f), "optim") == {"lr": 0.002}  # the planner's reading: YAML 1.2's float (1.1's was text)
+
+
 class Script:
-    """scripts/pretrain_codegen.sh with DRY_RUN=1 on the CPU, in an empty directory; `true` stands in for
+    """scripts/pretrain_codegen.sh with DRY_RUN=1 on the CPU, in an empty directory; a `$PYTHON` that runs the
+    script's config reader (`-m codegeex_train.config.script_values`) and passes anything else stands in for
     pretrain.py's own dry-run checks, so only the script's reading of the preset is exercised here."""
 
     def __init__(self, tmp_path: Path):
         self.cwd = tmp_path / "cwd"
         self.cwd.mkdir(exist_ok=True)
+        self.python = tmp_path / "python"
+        self.python.write_text(f'#!/bin/sh\n[ "$1" = -m ] && exec {sys.executable} "$@"\nexit 0\n')
+        self.python.chmod(0o755)
 
     def argv(self, config: str, **variables: str) -> list[str]:
         keep = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG")}
-        env = {**keep, "DRY_RUN": "1", "DEVICE": "cpu", "PYTHON": shutil.which("true"), "CONFIG": config, **variables}
+        env = {**keep, "DRY_RUN": "1", "DEVICE": "cpu", "PYTHON": str(self.python), "CONFIG": config, **variables}
         proc = subprocess.run(["bash", str(ROOT / "scripts" / "pretrain_codegen.sh")], cwd=self.cwd, env=env,
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, proc.stderr
@@ -155,24 +221,24 @@ def flag(argv: list[str], name: str) -> str:
     return argv[argv.index(name) + 1]
 
 
+def launched(argv: list[str]):
+    """What pretrain.py makes of the launch command's own arguments (from --config on)."""
+    return parse_args(argv[argv.index("--config"):])
+
+
 @pytest.mark.parametrize("preset", PRESETS)
 def test_the_script_reads_each_preset_as_pretrain_does(tmp_path, preset):
-    """The script's values (its plain key: value reader) equal pretrain.py's parse of the same file."""
+    """What the script launches keeps every value of the preset: it adds its own only where the file sets none."""
     argv = Script(tmp_path).argv(preset)
     assert flag(argv, "--config") == str(CONFIGS_DIR / f"{preset}.yaml")
-    args = parse_args(argv[argv.index("--config"):] + ["--data-path", "x"])  # the launch command's pretrain part
-    expected = parse_args(["--config", str(CONFIGS_DIR / f"{preset}.yaml"), "--data-path", "x"])
-    for name, value in (("--seq-length", expected.train.seq_length), ("--train-iters", expected.train.train_iters),
-                        ("--micro-batch-size", expected.train.micro_batch_size), ("--lr", expected.optim.lr),
-                        ("--min-lr", expected.optim.min_lr), ("--lr-warmup-iters", expected.optim.lr_warmup_iters),
-                        ("--lr-decay-style", expected.optim.lr_decay_style),
-                        ("--eval-interval", expected.train.eval_interval),
-                        ("--save-interval", expected.train.save_interval),
-                        ("--log-interval", expected.logging.log_interval)):
-        assert type(value)(flag(argv, name)) == value, name
+    args = launched(argv)  # the launch command's pretrain part
+    expected = parse_args(["--config", str(CONFIGS_DIR / f"{preset}.yaml")])
+    for name in ("seq_length", "train_iters", "micro_batch_size", "eval_interval", "save_interval"):
+        assert getattr(args.train, name) == getattr(expected.train, name), name
     assert args.model == expected.model and args.optim == expected.optim
+    assert args.logging.log_interval == expected.logging.log_interval
     if expected.train.global_batch_size is not None:
-        assert flag(argv, "--global-batch-size") == str(expected.train.global_batch_size)
+        assert args.train.global_batch_size == expected.train.global_batch_size
 
 
 def test_one_preset_file_three_readers(tmp_path):
@@ -185,7 +251,7 @@ def test_one_preset_file_three_readers(tmp_path):
     copy.write_text(original.read_text().replace("  seq_length: 2048\n", "  seq_length: 1024\n", 1))
     script = Script(tmp_path)
     for path, seq in ((str(original), 2048), (str(copy), 1024)):
-        assert flag(script.argv(path), "--seq-length") == str(seq)
+        assert launched(script.argv(path)).train.seq_length == seq
         assert preset_values(path)["seq_length"] == seq  # what the planner's --config reads
         assert gpu_check_args(["--config", path]).c_seq_length == seq
         assert parse_args(["--config", path]).train.seq_length == seq
@@ -195,6 +261,6 @@ def test_codegeex_13b_global_batch_agrees_everywhere(tmp_path):
     """CodeGeeX-13B's published global batch (3,072) in the file, the script and the planner."""
     published = yaml.safe_load((CONFIGS_DIR / "codegeex-13b.yaml").read_text())["train"]["global_batch_size"]
     assert published == 3072
-    assert flag(Script(tmp_path).argv("codegeex-13b"), "--global-batch-size") == "3072"
+    assert launched(Script(tmp_path).argv("codegeex-13b")).train.global_batch_size == 3072
     assert from_preset("codegeex-13b")[2]["global_batch_size"] == 3072
     assert flag(Script(tmp_path).argv("codegeex-13b", GLOBAL_BATCH="1536"), "--global-batch-size") == "1536"

@@ -46,7 +46,8 @@ def test_help_shows_every_default_and_the_choices(help_text):
     for shown in ("--lr-warmup-iters LR_WARMUP_ITERS linear warm-up iterations (default: 0)",
                   "--min-lr MIN_LR learning rate at the end of the decay (default: 0.0)",
                   "--fp16 fp16 mixed precision with dynamic loss scaling (GPU) (default: False)",
-                  "--save SAVE directory to save checkpoints to (default: None)",
+                  "--save SAVE directory to save checkpoints to; one run's: when it holds a run",
+                  "(see --start-over) (default: None)",
                   ("--top-query-layer, --no-top-query-layer CodeGeeX's top query layer after the decoder stack "
                    "(default: True)"),
                   "--lr-decay-style {constant,linear,cosine}", "--zero-stage {0,1,2}",

@@ -11,6 +11,7 @@ import re
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from codegeex_train.data.decontaminate import (
@@ -19,7 +20,7 @@ from codegeex_train.data.decontaminate import (
     problem_strings,
     prompt_docstring,
 )
-from codegeex_train.data.dedup import DEFAULT_THRESHOLD, Deduplicator, jaccard, shingles
+from codegeex_train.data.dedup import DEFAULT_THRESHOLD, Deduplicator, Fingerprint, jaccard, shingles
 from codegeex_train.data.default_corpus import default_corpus_files, stdlib_source_dir
 from codegeex_train.data.file_filters import FileFilter, FilterSpec
 from codegeex_train.data.indexed_dataset import MMapIndexedDataset
@@ -121,6 +122,49 @@ def test_exact_dedup_removes_only_identical_files(planted):
     assert all(kinds[o] is not None for o in exact) and all(kinds[o] is None for o in near)
     contents = {f.origin: f.content for f in files}
     assert all(contents[r["file"]] == contents[r["duplicate_of"]] for r in dedup.removed)
+
+
+@pytest.mark.parametrize("num_perm,agree", [(256, 179), (256, 192), (128, 112), (16, 12)])
+def test_a_pair_exactly_at_the_threshold_is_a_near_duplicate(num_perm, agree):
+    """--dedup-threshold is inclusive (estimated Jaccard >= J): a pair agreeing on exactly ``agree`` of ``num_perm``
+    hash values is dropped at J = agree / num_perm (a float that holds it exactly), kept one step above. The
+    signatures are built by hand, differing only in their last positions, so the LSH's first band holds the pair
+    whatever bands it picks: only the confirming compare decides."""
+    rng = np.random.default_rng(agree)
+    first = rng.integers(0, 1 << 32, num_perm, dtype=np.uint64)
+    second = first.copy()
+    second[agree:] += np.uint64(1)  # differ in the last num_perm - agree positions only
+    pair = Fingerprint(b"a" * 16, first), Fingerprint(b"b" * 16, second)
+    threshold = agree / num_perm
+    for at, dropped in ((threshold, True), (threshold + 1 / num_perm, False)):
+        dedup = Deduplicator("near", at, num_perm)
+        assert dedup.check("first.py", pair[0]) is None
+        found = dedup.check("second.py", pair[1])
+        assert (found is not None) == dropped, (at, found)
+    assert (found_at := Deduplicator("near", threshold, num_perm)).check("first.py", pair[0]) is None
+    assert found_at.check("second.py", pair[1]).similarity == threshold
+
+
+@pytest.mark.parametrize("num_perm,threshold,top", [(256, 0.99, 0.989), (256, 1.0, 0.989), (16, 0.87, 0.863)])
+def test_the_dedup_threshold_range_follows_the_permutation_count(tmp_path, capsys, num_perm, threshold, top):
+    """Above ``top`` datasketch finds fewer than 2 LSH bands: one error line naming both flags and ``top``, which
+    itself works (and 0.001 more does not), instead of datasketch's traceback."""
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.py").write_text("x = 1\n")
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        _tool().main(["--input", str(tmp_path / "in"), "--output-prefix", str(out / "p"), "--dedup", "near",
+                      "--dedup-threshold", str(threshold), "--dedup-num-perm", str(num_perm)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and "Traceback" not in "\n".join(lines), lines
+    assert lines[-1].startswith("preprocess_data.py: error: ") and len(lines) == 1, lines
+    assert (f"--dedup-threshold {threshold} is too high for --dedup-num-perm {num_perm}" in lines[0]
+            and f"lower --dedup-threshold to {top} or less" in lines[0]), lines
+    assert not out.exists()
+    Deduplicator("near", top, num_perm)
+    FilterSpec(dedup="near", threshold=top, num_perm=num_perm).validate()
+    with pytest.raises(ValueError, match="too high for --dedup-num-perm"):
+        FilterSpec(dedup="near", threshold=round(top + 0.001, 3), num_perm=num_perm).validate()
 
 
 def test_docstrings_of_every_prompt_style():

@@ -178,3 +178,36 @@ def test_parse_data_prefix():
     assert parse_data_prefix("3 A 1 B") == [(0.75, "A"), (0.25, "B")]
     with pytest.raises(ValueError, match="weight/prefix pairs"):
         parse_data_prefix(["0.5", "A", "B"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 12), min_size=1, max_size=8).filter(lambda s: sum(s) > 0),
+    seq_length=st.integers(1, 9),
+    fewer=st.integers(1, 30),
+    more=st.integers(1, 60),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_sample_index_for_more_samples_extends_the_index_for_fewer(sizes, seq_length, fewer, more, seed):
+    # A run extended to more iterations (--train-iters raised on resume) must see, at every iteration it already
+    # trained, the samples it saw: the longer index begins with the shorter one, whatever the epochs.
+    sizes = np.array(sizes, dtype=np.int32)
+    documents = np.arange(len(sizes))
+    short = build_sample_index(sizes, documents, seq_length, fewer, seed)
+    long = build_sample_index(sizes, documents, seq_length, fewer + more, seed)
+    n = len(short[2])
+    assert len(long[2]) >= n
+    assert np.array_equal(long[0][: len(short[0])], short[0])
+    assert np.array_equal(long[1][: len(short[1])], short[1])
+    assert np.array_equal(long[2][:n], short[2])
+
+
+def test_one_epoch_index_is_a_single_seeded_shuffle():
+    # One epoch: the documents' order, then one shuffle of all samples, both from RandomState(seed) (the default
+    # run's order, unchanged by the per-epoch streams of longer runs).
+    sizes = np.array([5, 9, 3, 7, 11], dtype=np.int32)
+    documents = np.arange(len(sizes))
+    doc_idx, sample_idx, shuffle_idx = build_sample_index(sizes, documents, 4, 6, seed=3)
+    rng = np.random.RandomState(3)
+    assert np.array_equal(doc_idx, rng.permutation(documents))
+    assert np.array_equal(shuffle_idx, rng.permutation((int(sizes.sum()) - 1) // 4))

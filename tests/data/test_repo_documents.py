@@ -181,7 +181,7 @@ def test_cli_repository_documents(tmp_path, capsys):
                   "--document-level", "repo", "--file-order", "random", "--seed", "3", "--whitespace-encoding"])
     assert "1 documents" in capsys.readouterr().out
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
-        "p_text_document.bin", "p_text_document.idx", "p_tokenizer.json"]
+        "p_text_document.bin", "p_text_document.idx", "p_text_document.meta.json", "p_tokenizer.json"]
     tok = build_tokenizer("HFTokenizer", str(tmp_path / "out" / "p_tokenizer.json"), whitespace_encoding=True)
     order = [f.path for f in group_repositories(_files("repo", ["a.py", "b.py"]), "random", 3)[0].files]
     name, files = decode_repository(tok, code_tokens(tok), REPO_FORMATS["starcoder2"],

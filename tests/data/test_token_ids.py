@@ -4,6 +4,10 @@ exit 2, before any process group), and every sample as it is read (data changed 
 At TP >= 2 the vocab-parallel embedding and loss mask ids outside a shard, so a bad id would otherwise train
 silently; these tests stop pretrain.main before it joins a process group (reaching one fails the test)."""
 
+import json
+import re
+import shutil
+
 import numpy as np
 import pytest
 
@@ -12,8 +16,11 @@ from codegeex_train.data import npy_cache, token_range
 from codegeex_train.data.gpt_dataset import GPTDataset
 from codegeex_train.data.indexed_dataset import MMapIndexedDataset, bin_path
 from codegeex_train.data.sampler import build_pretraining_data_loader
+from codegeex_train.data.default_corpus import default_corpus_files
+from codegeex_train.data.preprocess import TokenizerSpec, preprocess
 from codegeex_train.data.token_range import TokenIdError, check_token_ids
-from tests.harness import fails_with, tiny_model_args, write_indexed_dataset
+from codegeex_train.data.tokenizer import DEFAULT_TOKENIZER_PATH
+from tests.harness import another_tokenizer, fails_with, tiny_model_args, write_indexed_dataset
 
 MODEL = tiny_model_args()  # the shipped tokenizer: 8192 ids, padded to 8192 at TP 1 and 2
 
@@ -51,7 +58,60 @@ def test_ids_beyond_the_vocabulary_after_the_first_2_24_tokens(capsys, run_dir, 
     """The whole file is scanned, not a head: the bad id sits past the 2^24 tokens the old check read."""
     write_indexed_dataset(tmp_path / "long", [np.ones((1 << 24) + 5, np.uint16), [3, 9000, 4]], np.uint16)
     fails_with(capsys, MODEL + ["--train-data-path", str(tmp_path / "long")], "--train-data-path",
-               "token id 9000 at position 1 of document 1", "8192 padded ids", "--tokenizer-type")
+               "token id 9000 at position 1 of document 1", "8192 ids", "--tokenizer-type")
+
+
+def test_ids_are_checked_against_the_tokenizers_own_ids(capsys, run_dir, tmp_path):
+    """The padding rows are no token's: with the vocabulary padded to 16384, id 9000 is still outside the shipped
+    tokenizer's 8192 ids (data made with a larger tokenizer)."""
+    write_indexed_dataset(tmp_path / "d", [[1, 2, 3], [4, 9000]], np.uint16)
+    fails_with(capsys, MODEL + ["--data-path", str(tmp_path / "d"), "--make-vocab-size-divisible-by", "16384"],
+               "token id 9000 at position 1 of document 1", "beyond the vocabulary (8192 ids)", "--tokenizer-type")
+
+
+# --- the tokenizer preprocessing recorded beside the data (PREFIX.meta.json) is the run's --------------------------
+
+@pytest.fixture(scope="module")
+def shipped_data(tmp_path_factory) -> str:
+    """Stdlib files preprocessed with the shipped tokenizer, with whitespace encoding as pretrain's default has it."""
+    out = tmp_path_factory.mktemp("recorded") / "stdlib"
+    return preprocess(default_corpus_files()[:20], str(out), TokenizerSpec(whitespace_encoding=True), append_eod=True,
+                      progress=False).output_prefixes[0]
+
+
+def test_data_written_by_another_tokenizer_is_refused(capsys, run_dir, tmp_path, shipped_data):
+    """Another tokenizer of the same size (the same padded vocabulary, every id in range) is refused by its
+    fingerprint: one line naming both tokenizers, both fingerprints and the flags that fix it."""
+    other = another_tokenizer(tmp_path / "other")
+    line = fails_with(capsys, MODEL + ["--data-path", shipped_data, "--tokenizer-type", "HFTokenizer",
+                                       "--tokenizer-model", other, "--whitespace-encoding"],
+                      f"--data-path {shipped_data}: written with another tokenizer than this run's: HFTokenizer "
+                      f"{DEFAULT_TOKENIZER_PATH}, whitespace encoding, fingerprint ",
+                      f"8192 ids; this run's is HFTokenizer {other}, whitespace encoding, which has fingerprint ",
+                      f"over those ids: pass --tokenizer-type HFTokenizer --tokenizer-model {DEFAULT_TOKENIZER_PATH} "
+                      "--whitespace-encoding as tools/preprocess_data.py did")
+    recorded = json.loads(open(shipped_data + ".meta.json").read())["tokenizer"]["fingerprint"]
+    ours, theirs = re.findall(r"fingerprint ([0-9a-f]{16})", line)
+    assert ours == recorded != theirs
+
+
+def test_the_same_tokenizer_passes_by_any_path(tmp_path, shipped_data):
+    """The shipped default, its file in a Hugging Face directory elsewhere, and either with FIM's sentinels appended
+    (ids above the data's) are the tokenizer the data was written with."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    shutil.copy(DEFAULT_TOKENIZER_PATH, hf / "tokenizer.json")
+    by_dir = ["--tokenizer-type", "HFTokenizer", "--tokenizer-model", str(hf), "--whitespace-encoding"]
+    for flags in ([], by_dir, ["--fim-rate", "0.5"], by_dir + ["--fim-rate", "0.5"]):
+        pretrain.prepare(MODEL + ["--data-path", shipped_data, *flags])
+
+
+def test_data_without_a_record_is_not_checked(tmp_path, shipped_data):
+    """Data preprocessed before records existed: any tokenizer whose ids cover it passes, as before."""
+    for suffix in (".bin", ".idx"):
+        shutil.copy(shipped_data + suffix, tmp_path / f"legacy{suffix}")
+    pretrain.prepare(MODEL + ["--data-path", str(tmp_path / "legacy"), "--tokenizer-type", "HFTokenizer",
+                              "--tokenizer-model", another_tokenizer(tmp_path), "--whitespace-encoding"])
 
 
 def test_a_corrupt_index_is_one_error_line(capsys, run_dir, tmp_path):

@@ -3,8 +3,10 @@
 import importlib.util
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
@@ -18,6 +20,7 @@ from codegeex_train.data.tokenizer import (
     build_tokenizer,
     check_tokenizer_fits_vocab,
     default_tokenizer,
+    load_tokenizer,
 )
 from codegeex_train.data.whitespace import (
     split_whitespace_runs,
@@ -134,6 +137,25 @@ def test_special_token_text_is_plain_text():
     assert tok.eod not in ids and ids.count(two_spaces) == 1
     assert tok.decode(ids) == text
     assert tok.decode([tok.eod]) == EOD_TOKEN
+
+
+def test_eod_and_sentinels_are_special_whatever_the_file_says(tmp_path):
+    """A tokenizer.json whose <|endoftext|> and sentinels are added tokens marked non-special (the file's flag): their
+    text in a document stays text, so it can fake neither a document boundary nor a FIM or repository sentinel."""
+    backend = json.loads(Path(DEFAULT_TOKENIZER_PATH).read_text(encoding="utf-8"))
+    backend["added_tokens"][0]["special"] = False  # <|endoftext|>
+    names = ["<fim_prefix>", "<repo_name>", "<file_sep>", "<|extratoken_1|>"]
+    backend["added_tokens"] += [{"id": 8192 + k, "content": name, "single_word": False, "lstrip": False,
+                                 "rstrip": False, "normalized": False, "special": False}
+                                for k, name in enumerate(names)]
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(backend), encoding="utf-8")
+    tok = build_tokenizer("HFTokenizer", str(path), whitespace_encoding=True)
+    text = f"x = '{EOD_TOKEN}'\n# <fim_prefix> <repo_name>a<file_sep>b <|extratoken_1|>\n"
+    ids = tok.encode(text)
+    assert tok.eod == 0 and not {0, 8192, 8193, 8194, 8195} & set(ids), ids
+    assert tok.decode(ids) == text and tok.vocab_size == 8196  # the file's ids kept
+    assert [tok.decode([i]) for i in (0, 8192, 8195)] == [EOD_TOKEN, "<fim_prefix>", "<|extratoken_1|>"]
 
 
 def test_whitespace_encoding_on_real_python_source():
@@ -260,6 +282,28 @@ def test_tokenizer_file_missing(tmp_path):
     assert missing in str(err.value)
     with pytest.raises(FileNotFoundError, match="--merge-file"):
         build_tokenizer("GPT2BPETokenizer", vocab_file=DEFAULT_TOKENIZER_PATH, merge_file=missing)
+
+
+def test_a_hugging_face_tokenizer_directory_is_a_tokenizer_model(tmp_path, sentencepiece_model):
+    """--tokenizer-model takes the directory save_pretrained writes (tokenizer.json beside its configs) wherever it
+    takes a tokenizer file: the ids are the file's."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    shutil.copy(DEFAULT_TOKENIZER_PATH, hf / "tokenizer.json")
+    (hf / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast"}')
+    (hf / "special_tokens_map.json").write_text('{"eos_token": "<|endoftext|>"}')
+    by_dir = build_tokenizer("HFTokenizer", str(hf), whitespace_encoding=True)
+    assert by_dir.encode(CODE) == default_tokenizer().encode(CODE) and by_dir.vocab_size == 8192
+    flags = SimpleNamespace(tokenizer_type="HFTokenizer", tokenizer_model=str(hf), vocab_file=None, merge_file=None,
+                            whitespace_encoding=True, fim_rate=0.5)
+    assert load_tokenizer(flags).vocab_size == 8198  # training's, with FIM's sentinels
+    sp = tmp_path / "sp"
+    sp.mkdir()
+    shutil.copy(sentencepiece_model, sp / "tokenizer.model")
+    assert build_tokenizer("SentencePieceTokenizer", str(sp)).encode(CODE) == build_tokenizer(
+        "SentencePieceTokenizer", sentencepiece_model).encode(CODE)
+    with pytest.raises(ValueError, match=f"--tokenizer-model {tmp_path}: a directory without tokenizer.json"):
+        build_tokenizer("HFTokenizer", str(tmp_path))
 
 
 def test_check_tokenizer_fits_vocab():

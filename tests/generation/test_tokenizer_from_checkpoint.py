@@ -21,6 +21,7 @@ from codegeex_train.checkpoint.universal import read_universal_meta
 from codegeex_train.data.default_corpus import default_corpus_files
 from codegeex_train.data.preprocess import TokenizerSpec, preprocess
 from codegeex_train.data.tokenizer import DEFAULT_TOKENIZER_PATH, build_tokenizer, default_tokenizer
+from codegeex_train.data.tokenizer_record import fingerprint_record
 from codegeex_train.evaluation import write_jsonl
 from tests.harness import load_tool, run_distributed, tiny_pretrain_args
 
@@ -72,7 +73,8 @@ def tokenizer_lines(stderr: str) -> list[str]:
 
 def test_checkpoints_record_the_tokenizer_with_absolute_paths(trained):
     expected = {"tokenizer_type": "HFTokenizer", "tokenizer_model": str(trained["tokenizer_file"]),
-                "vocab_file": None, "merge_file": None, "whitespace_encoding": False}
+                "vocab_file": None, "merge_file": None, "whitespace_encoding": False,
+                **fingerprint_record(build_tokenizer("HFTokenizer", str(trained["tokenizer_file"])))}
     assert read_checkpoint_meta(trained["ckpt"])[1]["tokenizer"] == expected
     universal = trained["root"] / "universal"
     assert read_universal_meta(universal, (universal / "latest").read_text())["tokenizer"] == expected

@@ -12,7 +12,7 @@ import pytest
 
 from codegeex_train.config.arguments import LoggingConfig
 from codegeex_train.metrics import MetricsLogger, redact_secrets, secret_values
-from tests.harness import free_port, run_process_group
+from tests.harness import free_port, leaks, run_process_group, scan
 
 ROOT = Path(__file__).resolve().parents[2]
 # Not a name containing NCCL: DeepSpeed's launcher (launch.py) prints every such variable with its value at its
@@ -23,25 +23,6 @@ CREDENTIALS = ("WANDB_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "AWS_SECRE
 
 def markers() -> dict[str, str]:
     return {name: f"{name.lower().replace('_', '-')}-{uuid.uuid4().hex}" for name in CREDENTIALS}
-
-
-def leaks(data: bytes, secrets: dict[str, str]) -> set[str]:
-    return {name for name, value in secrets.items() if value.encode() in data}
-
-
-def scan(roots, secrets: dict[str, str]) -> dict[str, set[str]]:
-    """{file: names of the credentials found in it} under ``roots`` (files or directories)."""
-    found = {}
-    for root in map(Path, roots):
-        for path in [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file()):
-            hits = leaks(path.read_bytes(), secrets)
-            if zipfile.is_zipfile(path):  # torch.save's format: search each member as stored and decompressed
-                with zipfile.ZipFile(path) as archive:
-                    for member in archive.namelist():
-                        hits |= leaks(archive.read(member), secrets)
-            if hits:
-                found[str(path)] = hits
-    return found
 
 
 def test_scan_finds_a_planted_marker(tmp_path):

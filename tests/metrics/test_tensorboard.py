@@ -8,6 +8,7 @@ from codegeex_train.config.arguments import parse_args
 from codegeex_train.metrics import MetricsLogger
 from codegeex_train.metrics.logger import tensorboard_exclusions
 from codegeex_train.metrics.tensorboard_sink import TensorBoardSink
+from tests.harness import fails_with, tiny_model_args
 
 
 def read_back(log_dir) -> dict[str, dict[int, float]]:
@@ -57,3 +58,17 @@ def test_a_resumed_run_replaces_what_came_after_its_checkpoint(tmp_path):
     resumed.close()
     assert read_back(tmp_path) == {"train/loss": {1: 1.0, 2: 2.0, 3: 30.0}}  # 4 purged
 
+
+
+
+@pytest.mark.parametrize("url, shown", [
+    ("s3://bucket/tb", "s3://bucket/tb"), ("gs://bucket/tb", "gs://bucket/tb"), ("foo://tb", "foo://tb"),
+    ("runs/https://host/tb", "runs/https://host/tb"),
+    ("s3://AKIAIOSFODNN7EXAMPLE:wJalrXUtnFEMI@b/tb", "s3://<redacted>@b/tb")])
+def test_a_url_is_one_error_line(tmp_path, monkeypatch, capsys, url, shown):
+    """SummaryWriter hands a URL to fsspec, which fails on the logging rank after the process group exists ("Install
+    s3fs to access S3", "Protocol not known: foo"): refused before anything starts, a credential in it redacted."""
+    monkeypatch.chdir(tmp_path)
+    err = fails_with(capsys, [*tiny_model_args(), "--data-path", "x", "--tensorboard-dir", url],
+                     f"--tensorboard-dir {shown} is a URL", "give one")
+    assert "wJalr" not in err and not list(tmp_path.iterdir())

@@ -19,7 +19,7 @@ import pytest
 import torch.distributed as dist
 
 from tests.harness import tiny_model_args
-from tests.scripts.test_pretrain_script import ROOT, SCRIPT, SCRIPT_VARS, Script, _executable
+from tests.scripts.test_pretrain_script import READER, ROOT, SCRIPT, SCRIPT_VARS, Script, _executable
 
 PRETRAIN = f"{ROOT}/codegeex_train/pretrain.py"
 TOKENIZER_JSON = ROOT / "codegeex_train" / "data" / "assets" / "default_tokenizer.json"
@@ -34,7 +34,7 @@ class Checked(Script):
 
     def __init__(self, tmp_path: Path, data_prefix: str):
         super().__init__(tmp_path)
-        _executable(self.bin / "fake-python", '#!/bin/sh\nprintf "%s\\0" "$@" > "$FAKE_CALLS.check"\n'
+        _executable(self.bin / "fake-python", '#!/bin/sh\n' + READER + 'printf "%s\\0" "$@" > "$FAKE_CALLS.check"\n'
                                               'env -0 > "$FAKE_CALLS.check-env"\n')
         # README's relative paths, from the working directory: data/ links to the test corpus, so the token-id
         # range the check caches beside the index lands there, not in the working directory.

@@ -13,23 +13,27 @@ import os
 import shlex
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "pretrain_codegen.sh"
+# The script reads its CONFIG file with the package's own reader (`$PYTHON -m codegeex_train.config.script_values`):
+# a fake `$PYTHON` hands that call to this interpreter, unrecorded (it runs nothing and writes nothing).
+READER = f'[ "$1 $2" = "-m codegeex_train.config.script_values" ] && exec {shlex.quote(sys.executable)} "$@"\n'
 
 # Variables of the outer environment that the script reads: a test sets the ones it wants.
 SCRIPT_VARS = ("OUTPUT_DIR", "CONFIG", "DEVICE", "NUM_GPUS", "HOSTFILE", "TP", "PP", "MICRO_BATCH", "MICRO_BATCHES",
                "GLOBAL_BATCH", "TRAIN_ITERS", "SEQ_LENGTH", "DATA_PATH", "TOKENIZER_ARGS", "DS_CONFIG", "LR", "MIN_LR",
                "DECAY", "WARMUP", "LAUNCHER_ARGS", "INIT_FROM", "DRY_RUN", "DS_ACCELERATOR", "DS_ENV_FILE",
                "OMP_NUM_THREADS", "TORCH_EXTENSIONS_DIR", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "SP",
-               "RECOMPUTE", "VPP")
+               "RECOMPUTE", "VPP", "PYTHONPATH", "FIM_RATE", "FIM_SPM_RATE", "DOCUMENT_LEVEL")
 
 # What the script runs for the default CPU configuration: the preset file (configs/default.yaml: the model and the
 # hyper-parameters the script used to spell out, equal values) and the values its layout arithmetic derives.
-CPU_DEFAULT_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+CPU_DEFAULT_ENV = {"PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
                    "TORCH_EXTENSIONS_DIR": f"{ROOT}/.cache/torch_extensions",
                    "MALLOC_MMAP_THRESHOLD_": "4194304", "MALLOC_TRIM_THRESHOLD_": "4194304"}
 
@@ -38,12 +42,10 @@ def cpu_default_argv(output_dir="./outputs/codegen-default"):
     return ["deepspeed", "--num_gpus", "2", f"{ROOT}/codegeex_train/pretrain.py",
             "--config", f"{ROOT}/configs/default.yaml",
             "--distributed-backend", "gloo", "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size",
-            "1", "--seq-length", "256", "--micro-batch-size", "8", "--global-batch-size", "16", "--train-iters",
-            "200", "--lr", "1.5e-3", "--min-lr", "0", "--lr-decay-style", "linear", "--lr-warmup-iters", "20",
+            "1", "--global-batch-size", "16",
             "--data-path", f"{ROOT}/.cache/data/stdlib_text_document",
             "--deepspeed-config", f"{ROOT}/ds_configs/cpu_fp32_zero2.json",
-            "--save", output_dir, "--save-interval", "100", "--eval-interval", "100",
-            "--log-interval", "10"]
+            "--save", output_dir]
 
 
 def _executable(path: Path, text: str) -> None:
@@ -66,7 +68,7 @@ class Script:
                                             'printf "%s\\0" "$@" > "$FAKE_CALLS.argv"\nenv -0 > "$FAKE_CALLS.env"\n')
         # The fake python passes pretrain.py's dry-run checks (recording argv and WORLD_SIZE) and fails anything else.
         _executable(self.bin / "fake-python",
-                    '#!/bin/sh\necho "python $*" >> "$FAKE_CALLS"\ncase " $* " in *" --dry-run "*)\n'
+                    '#!/bin/sh\n' + READER + 'echo "python $*" >> "$FAKE_CALLS"\ncase " $* " in *" --dry-run "*)\n'
                     '  printf "%s\\0" "$@" > "$FAKE_CALLS.check"; echo "$WORLD_SIZE" > "$FAKE_CALLS.world"; exit 0 ;;\n'
                     'esac\nexit 1\n')
         # Every PATH entry but those holding a real nvidia-smi (the tools the script uses: awk, grep, date, ...).
@@ -125,19 +127,27 @@ def flag(argv: list, name: str) -> str:
     return argv[len(argv) - 1 - argv[::-1].index(name) + 1]
 
 
+def launched_args(argv: list):
+    """What pretrain.py makes of the launch command's own arguments (the --config file's values included)."""
+    from codegeex_train.config.arguments import parse_args
+
+    return parse_args(argv[argv.index(f"{ROOT}/codegeex_train/pretrain.py") + 1:])
+
+
 def check_batch(layout: dict, argv: list) -> None:
     micro, dp, global_batch = int(layout["MICRO_BATCH"]), int(layout["DP"]), int(layout["GLOBAL_BATCH"])
     assert global_batch == micro * dp * int(layout["MICRO_BATCHES"])
     assert int(layout["RANKS"]) == dp * int(layout["TP"]) * int(layout.get("CP", 1)) * int(layout["PP"])
-    assert flag(argv, "--global-batch-size") == str(global_batch) and global_batch % (micro * dp) == 0
-    assert flag(argv, "--micro-batch-size") == str(micro)
+    train = launched_args(argv).train  # the layout shown is the one pretrain.py gets
+    assert train.global_batch_size == global_batch and global_batch % (micro * dp) == 0
+    assert train.micro_batch_size == micro
 
 
 def test_one_gpu_runs_bf16_nccl_with_the_accelerator_left_to_deepspeed(script):
     script.fake_gpus(1)
     layout, env, argv = dry_run(script)
     assert layout["DEVICE"] == "gpu" and layout["RANKS"] == "1" and layout["DP"] == "1"
-    assert "DS_ACCELERATOR" not in env and env == {}
+    assert "DS_ACCELERATOR" not in env and env == {"PYTHONPATH": str(ROOT)}
     assert not any("DS_ACCELERATOR" in word for word in argv)
     assert argv[:3] == ["deepspeed", "--num_gpus", "1"]
     assert flag(argv, "--distributed-backend") == "nccl" and "--bf16" in argv and "--fp16" not in argv
@@ -152,7 +162,7 @@ def test_eight_gpus_give_dp_8_and_a_global_batch_that_follows(script):
     assert (layout["DEVICE"], layout["NODES"], layout["RANKS"], layout["TP"], layout["PP"], layout["DP"]) == \
         ("gpu", "1", "8", "1", "1", "8")
     assert layout["GLOBAL_BATCH"] == str(8 * 8 * 1) and layout["MICRO_BATCHES"] == "1"
-    assert argv[:3] == ["deepspeed", "--num_gpus", "8"] and env == {}
+    assert argv[:3] == ["deepspeed", "--num_gpus", "8"] and env == {"PYTHONPATH": str(ROOT)}
     assert flag(argv, "--distributed-backend") == "nccl" and "--bf16" in argv
     check_batch(layout, argv)
 
@@ -171,7 +181,8 @@ def test_two_nodes_from_a_hostfile_13b_tp8_pp2(script):
     assert flag(argv, "--config") == f"{ROOT}/configs/codegeex-13b.yaml" and flag(argv, "--distributed-backend") == "nccl" and "--bf16" in argv
     assert flag(argv, "--save") == "./outputs/codegen-codegeex-13b"
     # The other nodes' variables travel in OUTPUT_DIR/.deepspeed_env (written by a real run, not by a dry one).
-    assert env == {"DS_ENV_FILE": f"{script.cwd.resolve()}/outputs/codegen-codegeex-13b/.deepspeed_env"}
+    assert env == {"PYTHONPATH": str(ROOT),
+                   "DS_ENV_FILE": f"{script.cwd.resolve()}/outputs/codegen-codegeex-13b/.deepspeed_env"}
 
 
 def test_cpu_default_command_is_unchanged(script):

@@ -149,6 +149,6 @@ def test_wandb_offline_run_matches_metrics_file(tmp_path, tiny_data, monkeypatch
     assert history[2]["test/loss"] == pytest.approx(metrics_records(save, "test")[2]["test_loss"], rel=1e-12)
 
     # A resumed run continues the same wandb run: the id travels in the checkpoint.
-    train(tmp_path, tiny_data, "wandb", 1, 1, *wandb, "--load", save, iters=3)
+    train(tmp_path, tiny_data, "wandb", 1, 1, *wandb, "--load", save, "--lr-decay-iters", "2", iters=3)
     resumed = sorted((wandb_dir / "wandb").glob("offline-run-*"))
     assert len(resumed) == 2 and len({r.name.split("-")[3] for r in resumed}) == 1, resumed

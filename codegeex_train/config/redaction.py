@@ -1,9 +1,15 @@
-"""Credentials never reach a sink or a checkpoint: the value of every environment variable whose name looks like a
+"""Credentials never reach a file or a sink: the value of every environment variable whose name looks like a
 credential (``*KEY*``, ``*TOKEN*``, ``*SECRET*``, ``*PASSWORD*``, ...; values of 8+ characters) is replaced by
 ``<redacted>`` wherever it appears (e.g. a token pasted into a path on the command line), and so are the credentials
-a URL carries in any string: its user information (``s3://KEY:SECRET@bucket/x`` -> ``s3://<redacted>@bucket/x``) and
-the values of credential-like query parameters (``?token=``, ``X-Amz-Signature=``, ``sig=``, ``api_key=``, ...).
-Only what is recorded is redacted: the run itself uses the paths as given."""
+a string carries by its form: a URL's user information (``s3://KEY:SECRET@bucket/x`` -> ``s3://<redacted>@bucket/x``),
+the values of credential-like query parameters (``?token=``, ``X-Amz-Signature=``, ``sig=``, ``api_key=``, ...) and
+tokens whose prefix names them (Hugging Face ``hf_...``, GitHub ``ghp_...`` / ``github_pat_...``, GitLab
+``glpat-...``, AWS access key ids ``AKIA...``), anywhere in a path.
+
+Used by everything that records the run's flags: metrics records, wandb's config and run name, the resolved config
+(``<save>/config.yaml``, every checkpoint's ``resolved_config``), the tokenizer paths a checkpoint records, error
+lines that echo a path. Only what is recorded is redacted: the run itself uses the paths as given, and a config file
+holding the marker is refused by ``--config`` unless the command line gives that flag (``config_file.py``)."""
 
 from __future__ import annotations
 
@@ -24,6 +30,15 @@ _URL_USERINFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*:/+)([^/?#@\s]*:[^@\s]*|[
 _QUERY_PARAMETER = re.compile(r"([?&;])([A-Za-z0-9_.-]+)=([^&#;\s]*)")
 _CREDENTIAL_PARAMETER = re.compile(r"KEY|TOKEN|SECRET|PASSW|PWD|CREDENTIAL|AUTH|SIG|COOKIE|PRIVATE|SESSION",
                                    re.IGNORECASE)
+# Tokens recognisable by their prefix, whether or not the environment holds them (pasted into a directory name, say).
+# Their random part mixes upper and lower case (AWS key ids: 16 of [A-Z0-9]), so hf_checkpoints or ghp_notes stay.
+_TOKEN_FORM = re.compile(r"(?<![A-Za-z0-9])(?:" + "|".join((
+    r"hf_(?=[A-Za-z0-9]*[a-z])(?=[A-Za-z0-9]*[A-Z])[A-Za-z0-9]{30,}",  # Hugging Face
+    r"gh[pousr]_(?=[A-Za-z0-9]*[a-z])(?=[A-Za-z0-9]*[A-Z])[A-Za-z0-9]{36,}",  # GitHub: classic, OAuth, app
+    r"github_pat_(?=[A-Za-z0-9_]*[a-z])(?=[A-Za-z0-9_]*[A-Z])[A-Za-z0-9_]{50,}",  # GitHub: fine-grained
+    r"glpat-[A-Za-z0-9_-]{20,}",  # GitLab
+    r"(?:AKIA|ASIA)[A-Z0-9]{16}",  # AWS access key id
+)) + r")(?![A-Za-z0-9])")
 
 
 def secret_values(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
@@ -33,9 +48,10 @@ def secret_values(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
     return tuple(sorted(found, key=len, reverse=True))
 
 
-def redact_url_credentials(text: str) -> str:
-    """``text`` with the user information of every URL in it and the values of credential-like query parameters
-    replaced by ``<redacted>``."""
+def redact_credential_forms(text: str) -> str:
+    """``text`` with the user information of every URL in it, the values of credential-like query parameters and
+    every prefixed token replaced by ``<redacted>``."""
+    text = _TOKEN_FORM.sub(REDACTED, text)
     if "@" in text:
         text = _URL_USERINFO.sub(lambda m: f"{m[1]}{REDACTED}@", text)
     if "=" in text:
@@ -46,14 +62,14 @@ def redact_url_credentials(text: str) -> str:
 
 def redact_secrets(value, secrets: tuple[str, ...] | None = None):
     """``value`` (a string, or dicts / lists / tuples of them, keys included) with every secret (``secrets``,
-    default: ``secret_values()``) and every credential in a URL replaced by ``<redacted>``; other values
-    unchanged."""
+    default: ``secret_values()``) and every credential recognisable by its form replaced by ``<redacted>``; other
+    values unchanged."""
     secrets = secret_values() if secrets is None else secrets
     if isinstance(value, str):
         for secret in secrets:
             if secret in value:
                 value = value.replace(secret, REDACTED)
-        return redact_url_credentials(value)
+        return redact_credential_forms(value)
     if isinstance(value, dict):
         return {redact_secrets(k, secrets): redact_secrets(v, secrets) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
