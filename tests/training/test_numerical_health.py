@@ -192,7 +192,7 @@ def test_injection_spec():
     hook, applies = fault_injection.injection_from_spec("inf-grad@3,7-")
     assert hook is fault_injection.inf_grad_output and [i for i in range(1, 10) if applies(i)] == [3, 7, 8, 9]
     assert fault_injection.injection_from_spec(None) is None and fault_injection.injection_from_spec("") is None
-    with pytest.raises(ValueError, match="expected nan-loss@ITERATIONS"):
+    with pytest.raises(ValueError, match="expected nan-loss@, inf-grad@ or kill-job@ITERATIONS"):
         fault_injection.injection_from_spec("nan@3")
 
 
