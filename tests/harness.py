@@ -22,6 +22,7 @@ ranks import it by that name: they get the caller's sys.path.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue as queue_lib
 import signal
@@ -360,6 +361,22 @@ def all_gather_tensor(tensor: torch.Tensor, group=None, dim: int | None = None):
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, tensor.contiguous(), group=group)
     return parts if dim is None else torch.cat(parts, dim=dim)
+
+
+@contextlib.contextmanager
+def deadline(seconds: int):
+    """Fail (instead of hanging the suite, e.g. on a FIFO whose open waits for a writer) when the body runs longer
+    than ``seconds``. Main thread only (SIGALRM)."""
+    def expire(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s: hung")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def fails_with(capsys, argv: list[str], *fragments: str) -> str:

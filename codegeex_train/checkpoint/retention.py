@@ -33,7 +33,6 @@ import os
 import re
 import shutil
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 
 from codegeex_train.checkpoint.deepspeed_files import check_model_files, check_zero_files, tag_files
 from codegeex_train.checkpoint.files import META_KEY, TAG_PATTERN, read_latest, read_model_file

@@ -6,7 +6,6 @@ crafted ``universal.json`` and ZeRO files (one ``error:`` line each, no tracebac
 FIFO named ``*.pt`` (no walk, no hang), a Hugging Face index naming shards it should not, a too-old torch, and a
 save into a full filesystem (one ``error:`` line, ``latest`` unchanged, no partial directory)."""
 
-import contextlib
 import errno
 import importlib.util
 import json
@@ -14,7 +13,6 @@ import os
 import pathlib
 import re
 import shutil
-import signal
 import subprocess
 
 import pytest
@@ -31,7 +29,7 @@ from codegeex_train.checkpoint.safe_load import (
     verify_checkpoint_dir,
 )
 from codegeex_train.checkpoint.universal import FORMAT, read_universal_meta
-from tests.harness import RankFailure, run_distributed, tiny_model_args, tiny_pretrain_args
+from tests.harness import RankFailure, deadline, run_distributed, tiny_model_args, tiny_pretrain_args
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MODEL = tiny_model_args()
@@ -48,18 +46,6 @@ class TouchOnUnpickle:
         return pathlib.Path.touch, (self.marker,)
 
 
-@contextlib.contextmanager
-def deadline(seconds: int):
-    """Fail (instead of hanging the suite) if the body blocks longer than ``seconds``."""
-    def expired(signum, frame):
-        raise AssertionError(f"blocked for more than {seconds} s")
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def one_error_line(capsys, argv, *fragments, code=2) -> str:

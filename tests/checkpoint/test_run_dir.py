@@ -14,15 +14,15 @@ import time
 
 import numpy as np
 import pytest
-import torch.distributed as dist
 
 from codegeex_train import pretrain
 from codegeex_train.checkpoint import run_dir
-from codegeex_train.checkpoint.files import checkpoint_tag, read_latest, save_model_checkpoint, write_latest
+from codegeex_train.checkpoint.files import checkpoint_tag, read_latest, save_model_checkpoint
 from codegeex_train.checkpoint.resume import ResumeKind
 from codegeex_train.config.model_config import ModelConfig
 from tests.harness import (
     RankFailure,
+    fails_with,
     load_tool,
     metrics_records,
     read_metrics,
@@ -42,17 +42,7 @@ def tags(directory) -> set[int]:
 def refused(capsys, monkeypatch, argv, *fragments) -> str:
     """``pretrain.main(argv)`` exits 2 with one ``error:`` line holding ``fragments``, before any process group."""
     monkeypatch.setattr(pretrain, "init_distributed", lambda *a: pytest.fail("the run went on to its process group"))
-    with pytest.raises(SystemExit) as e:
-        pretrain.main(argv)
-    assert e.value.code == 2
-    out, err = capsys.readouterr()
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert "Traceback" not in out + err
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-    assert not dist.is_initialized()
-    return lines[0]
+    return fails_with(capsys, argv, *fragments)
 
 
 # --- A relaunch without --load resumes the run; a job killed with -9 loses nothing ------------------------------
@@ -99,11 +89,16 @@ def test_a_job_killed_and_relaunched_by_the_same_command_resumes_exactly(tmp_pat
 
 @pytest.fixture(scope="module")
 def run(tiny_data, tmp_path_factory):
-    """A finished 2-iteration run (one rank) saving at every iteration: its --save directory."""
+    """A finished 2-iteration run (one rank) saving at every iteration, its LR decaying to 2e-4: its --save
+    directory."""
     save = tmp_path_factory.mktemp("run_dir") / "run"
     run_distributed(run_pretrain, world_size=1, deadline_s=300,
-                    argv=tiny_pretrain_args(tiny_data, str(save), 2, "--save-interval", "1"))
+                    argv=tiny_pretrain_args(tiny_data, str(save), 2, "--save-interval", "1", "--min-lr", "2e-4"))
     return save
+
+
+# The fixture run's LR schedule, for a resume of it to more iterations.
+SAME_SCHEDULE = ("--lr-decay-iters", "2", "--min-lr", "2e-4")
 
 
 @pytest.fixture
@@ -116,14 +111,14 @@ def copy(run, tmp_path, monkeypatch):
 
 def test_save_holding_a_run_is_resumed_without_load(copy, tiny_data, capsys):
     save = copy()
-    prepared = pretrain.prepare(tiny_pretrain_args(tiny_data, str(save), 4, "--lr-decay-iters", "2"))
+    prepared = pretrain.prepare(tiny_pretrain_args(tiny_data, str(save), 4, *SAME_SCHEDULE))
     resume = prepared.resume
     assert (resume.load_dir, resume.tag, resume.kind) == (str(save), checkpoint_tag(2), ResumeKind.TRAINING)
     assert resume.note.startswith(f"--save {save} holds a run (iter_0000002): resuming it")
     # The dry run of the run's own config.yaml said "start from scratch" before.
     # (--save: the file names the directory the fixture's run saved to; this test works on a copy of it)
     assert pretrain.main(["--config", str(save / "config.yaml"), "--save", str(save), "--train-iters", "4",
-                          "--lr-decay-iters", "2", "--dry-run"]) is None
+                          *SAME_SCHEDULE, "--dry-run"]) is None
     report = capsys.readouterr().out
     assert f"start --load {save} (iter_0000002, training): --save {save} holds a run" in report
 
@@ -135,11 +130,11 @@ def test_another_runs_load_into_a_save_holding_a_run_is_refused(copy, tiny_data,
     state = torch.load(other_tag, weights_only=False)
     state["codegeex_train"]["train_state"]["run_id"] = "another-run"
     torch.save(state, other_tag)
-    argv = tiny_pretrain_args(tiny_data, str(save), 4, "--lr-decay-iters", "2", "--load", str(other))
+    argv = tiny_pretrain_args(tiny_data, str(save), 4, *SAME_SCHEDULE, "--load", str(other))
     refused(capsys, monkeypatch, argv, f"--save {save} holds a run ('latest' names iter_0000002)",
             f"--load {other} is another run's checkpoint", "drop --load", "--start-over", "another --save")
     # --load of the run that --save continues (its id recorded in both): a relaunch, resumed from --save.
-    resume = pretrain.prepare(tiny_pretrain_args(tiny_data, str(save), 4, "--lr-decay-iters", "2", "--load",
+    resume = pretrain.prepare(tiny_pretrain_args(tiny_data, str(save), 4, *SAME_SCHEDULE, "--load",
                                                  str(copy("origin")))).resume
     assert resume.load_dir == str(save) and "which that run started from" in resume.note
 
@@ -166,8 +161,7 @@ def test_start_over_moves_the_old_run_aside_whole(copy, tiny_data):
     assert read_latest(save) == checkpoint_tag(1) and tags(save) == {1}
     assert [r["iteration"] for r in read_metrics(save) if r.get("split") == "train"] == [1]
     # The archive is a run directory of its own: --load resumes it.
-    os.environ["WORLD_SIZE"] = "1"
-    resume = pretrain.prepare(tiny_pretrain_args(tiny_data, str(save / "new"), 3, "--lr-decay-iters", "2",
+    resume = pretrain.prepare(tiny_pretrain_args(tiny_data, str(save / "new"), 3, *SAME_SCHEDULE,
                                                  "--load", str(archive))).resume
     assert (resume.load_dir, resume.tag) == (str(archive), checkpoint_tag(2))
 
@@ -278,11 +272,9 @@ def test_the_documented_extension_equals_one_uninterrupted_run(tmp_path, small_d
     (("--lr-decay-style", "linear"), "style cosine in the checkpoint, linear by these flags (--lr-decay-style)"),
     (("--global-batch-size", "16"), "global_batch_size 8 in the checkpoint, 16 by these flags (--global-batch-size)"),
 ])
-def test_a_changed_schedule_is_refused_unless_a_flag_decides(run_at_min_lr, tiny_data, capsys, monkeypatch, change,
-                                                            fragment):
-    save = run_at_min_lr
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    argv = tiny_pretrain_args(tiny_data, str(save), 4, "--lr-decay-iters", "2", "--min-lr", "2e-4", *change)
+def test_a_changed_schedule_is_refused_unless_a_flag_decides(copy, tiny_data, capsys, monkeypatch, change, fragment):
+    save = copy()
+    argv = tiny_pretrain_args(tiny_data, str(save), 4, *SAME_SCHEDULE, *change)
     refused(capsys, monkeypatch, argv, f"resuming {save} (iter_0000002): its LR schedule differs", fragment,
             "--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler")
     monkeypatch.undo()
@@ -294,15 +286,6 @@ def test_a_changed_schedule_is_refused_unless_a_flag_decides(run_at_min_lr, tiny
     o = prepared.args.optim  # the checkpoint's schedule (the global batch stays the flags')
     assert (o.lr, o.min_lr, o.lr_warmup_iters, o.lr_decay_iters, o.lr_decay_style) == (2e-3, 2e-4, 2, 2, "cosine")
     assert "the LR schedule is the checkpoint's" in prepared.resume.note
-
-
-@pytest.fixture(scope="module")
-def run_at_min_lr(tiny_data, tmp_path_factory):
-    """A finished 2-iteration run (one rank) whose LR decays to 2e-4."""
-    save = tmp_path_factory.mktemp("schedule") / "run"
-    run_distributed(run_pretrain, world_size=1, deadline_s=300,
-                    argv=tiny_pretrain_args(tiny_data, str(save), 2, "--min-lr", "2e-4"))
-    return save
 
 
 def test_both_schedule_flags_are_refused(tiny_data, capsys, monkeypatch):
@@ -351,6 +334,6 @@ def test_console_lines_hold_no_credential(copy, tiny_data, capsys):
     # note) shows the credential in it redacted.
     token = "hf_" + "AbCdEfGhIjKlMnOpQrStUvWxYz0123456789"
     save = copy(f"run-{token}")
-    assert pretrain.main(tiny_pretrain_args(tiny_data, str(save), 4, "--lr-decay-iters", "2", "--dry-run")) is None
+    assert pretrain.main(tiny_pretrain_args(tiny_data, str(save), 4, *SAME_SCHEDULE, "--dry-run")) is None
     out, err = capsys.readouterr()
     assert token not in out + err and "run-<redacted> holds a run (iter_0000002): resuming it" in out

@@ -8,9 +8,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
-import signal
 import zlib
-from contextlib import contextmanager
 
 import pytest
 
@@ -18,21 +16,9 @@ from codegeex_train.data import decontaminate, tokenizer
 from codegeex_train.data.bounded_read import FileReadError, check_file, read_bytes, read_lines, read_text
 from codegeex_train.data.decontaminate import BenchmarkError, read_mbpp
 from codegeex_train.data.tokenizer import TokenizerError, build_tokenizer
+from tests.harness import deadline
 
 
-@contextmanager
-def deadline(seconds: int):
-    """Fail instead of hanging (a FIFO's open waits for a writer)."""
-    def expire(signum, frame):
-        raise TimeoutError(f"still blocked after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def gzip_of_zeros(path, size: int) -> None:

@@ -5,7 +5,6 @@ no .tmp. Each test bounds its own time (``deadline`` for in-process runs, ``time
 fails instead of stalling the suite.
 """
 
-import contextlib
 import glob
 import gzip
 import importlib.util
@@ -26,6 +25,7 @@ from codegeex_train.data import preprocess as preprocess_module
 from codegeex_train.data.corpus import CorpusError, CorpusStats, iter_documents
 from codegeex_train.data.indexed_dataset import MMapIndexedDataset
 from codegeex_train.data.preprocess import TokenizerSpec, preprocess
+from tests.harness import deadline
 
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "preprocess_data.py"
 SPEC = TokenizerSpec(whitespace_encoding=True)
@@ -45,18 +45,6 @@ BAD_LINE_NUMBER = len(GOOD) + 1
 ERROR_PREFIX = "preprocess_data.py: error: "
 
 
-@contextlib.contextmanager
-def deadline(seconds: int):
-    """Fail (instead of hanging) when the block runs longer than ``seconds``."""
-    def expire(signum, frame):
-        raise TimeoutError(f"still running after {seconds} s: hung")
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def _tool():

@@ -2,34 +2,21 @@
 a cloned repository (to a file the user can read, /proc/self/environ, a directory) is not followed, a FIFO is not
 opened, and each skip is counted in the summary; inputs named on the command line are read as named."""
 
-import contextlib
 import importlib.util
 import json
 import os
-import signal
 from pathlib import Path
 
 import pytest
 
 from codegeex_train.data.indexed_dataset import MMapIndexedDataset
 from codegeex_train.data.preprocess import TokenizerSpec
+from tests.harness import deadline
 
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "preprocess_data.py"
 SECRET = "hunter2_do_not_train_on_me"
 
 
-@contextlib.contextmanager
-def deadline(seconds: int):
-    """Fail (instead of hanging on a FIFO) when the block runs longer than ``seconds``."""
-    def expire(signum, frame):
-        raise TimeoutError(f"still running after {seconds} s: hung")
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def _run(argv: list[str], capsys) -> tuple[str, str]:
