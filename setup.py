@@ -15,7 +15,7 @@ setup(
     install_requires=[
         "torch>=2.10",
         "deepspeed>=0.18.3",
-        # 5: the Hugging Face export's remote code (checkpoint/hf_remote/) uses its Cache API and tied-weights map.
+        # 5: the Hugging Face export's remote code (formats/huggingface/remote/) uses its Cache API and tied-weights map.
         "transformers>=5.0",
         "tokenizers>=0.19",
         "datasets>=2.19",

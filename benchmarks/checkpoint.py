@@ -31,7 +31,7 @@ disk against a shared one); each committed save removes the one before.
     python benchmarks/checkpoint.py --num-layers 1 --hidden-size 64 --num-attention-heads 4 --seq-length 32 \\
         --rounds 1 --save-every 2 --json out.json     # ~10 s (tests/benchmarks/)
 
-Ranks are spawned here (tests.harness.run_distributed), one thread each (and the async writer's).
+Ranks are spawned here (codegeex_train.distributed.spawn.run_distributed), one thread each (and the async writer's).
 """
 
 from __future__ import annotations
@@ -54,10 +54,10 @@ import torch.distributed as dist
 from codegeex_train.config.arguments import Args, DataConfig, LoggingConfig, OptimConfig, ParallelConfig, TrainConfig
 from codegeex_train.config.deepspeed import build_deepspeed_config
 from codegeex_train.config.model_config import ModelConfig
-from codegeex_train.config.plan import ParallelPlan
+from codegeex_train.layout.plan import ParallelPlan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # run_distributed is tests/harness.py's, imported from the checkout's root
+if ROOT not in sys.path:  # this checkout's codegeex_train, whatever else is installed
     sys.path.insert(0, ROOT)
 
 DP = 2
@@ -116,12 +116,12 @@ class _Timed:
 def bench_rank(topology, *, spec: Spec) -> dict | None:
     import deepspeed
 
-    from codegeex_train.checkpoint.async_save import AsyncCheckpointer, BackgroundWriter
-    from codegeex_train.checkpoint.deepspeed_checkpoint import install_checkpoint_engine, save_checkpoint
+    from codegeex_train.checkpoint.deepspeed_checkpoint import install_checkpoint_engine
     from codegeex_train.checkpoint.files import checkpoint_tag, read_latest
+    from codegeex_train.checkpoint.manager import CheckpointManager
     from codegeex_train.checkpoint.train_state import TrainState
     from codegeex_train.distributed.malloc import fix_malloc_thresholds
-    from codegeex_train.model.codegeex import CodeGeeXModel
+    from codegeex_train.model import CodeGeeXModel, ModelGroups
     from codegeex_train.pretrain import skip_inference_comm_op
     from codegeex_train.tensor_parallel import model_parallel_seed
     from codegeex_train.training.engine import build_engine
@@ -132,7 +132,7 @@ def bench_rank(topology, *, spec: Spec) -> dict | None:
     skip_inference_comm_op()  # no JIT build of an op training never calls
     torch.set_num_threads(1)
     tracker = model_parallel_seed(spec.seed, topology.tp_rank)
-    model = CodeGeeXModel(spec.model, topology.tp_group, tracker, seed=spec.seed)
+    model = CodeGeeXModel(spec.model, ModelGroups.from_topology(topology), rng_tracker=tracker, seed=spec.seed)
     params = sum(p.numel() for p in model.parameters())
     iterations = spec.warmup_iters + 2 * spec.rounds * spec.save_every
     train = TrainConfig(micro_batch_size=spec.micro_batch_size, seq_length=spec.seq_length, zero_stage=2,
@@ -142,11 +142,16 @@ def bench_rank(topology, *, spec: Spec) -> dict | None:
     # One reduce bucket of at most 50 M elements (DeepSpeed's default 5e8 would be 2 GB more per rank here).
     bucket = min(params, 50_000_000)
     zero = {"zero_optimization": {"stage": 2, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket}}
-    plan = ParallelPlan(topology.dims, spec.micro_batch_size, 1, seq_length=spec.seq_length,
-                        hidden_size=spec.model.hidden_size)
+    plan = ParallelPlan.derive(topology.dims, micro_batch_size=spec.micro_batch_size,
+                               num_layers=spec.model.num_layers, seq_length=spec.seq_length,
+                               hidden_size=spec.model.hidden_size)
     engine = build_engine(model, optim, iterations, build_deepspeed_config(args, plan, zero), topology)
     timed = _Timed(install_checkpoint_engine(engine))
-    saver = AsyncCheckpointer(BackgroundWriter())  # --async-save's, as pretrain.py builds it
+    # A checkpoint manager per mode, as pretrain.py builds it for --save with and without --async-save (no lock, no
+    # retention: `committed` below removes the older tags).
+    managers = {mode: CheckpointManager(spec.save_dir, async_save=mode == "async") for mode in MODES}
+    for manager in managers.values():
+        manager.attach(engine, spec.model, topology, tracker)
     data = torch.Generator().manual_seed(spec.seed + topology.dp_rank)
     state = TrainState()
 
@@ -183,22 +188,21 @@ def bench_rank(topology, *, spec: Spec) -> dict | None:
             t0 = time.perf_counter()
             step()
             t1 = time.perf_counter()
-            save_checkpoint(engine, spec.save_dir, state, spec.model, topology, tracker,
-                            background=saver.writer if mode == "async" else None)
+            manager = managers[mode]
+            manager.save(state)
             t2 = time.perf_counter()
             step_s.append(t2 - t0)
             writing.append(False)
             for _ in range(spec.save_every - 1):
-                pending = saver.writer.pending
-                writing.append(pending is not None and not pending.done.is_set())
+                writing.append(manager.writing)
                 t3 = time.perf_counter()
                 step()
-                saver.commit(wait=False)  # as the trainer does at every step boundary: commits once all wrote
+                manager.commit(wait=False)  # as at every step boundary of training: commits once all wrote
                 step_s.append(time.perf_counter() - t3)
             t4 = time.perf_counter()
-            saver.commit(wait=True)  # the cycle's end: nothing in flight for the next one
+            manager.finish()  # the cycle's end: nothing in flight for the next one
             t5 = time.perf_counter()
-            write_s = saver.last_write_seconds if mode == "async" else timed.last_end - t1
+            write_s = manager.last_write_seconds if mode == "async" else timed.last_end - t1
             committed(checkpoint_tag(state.iteration - spec.save_every + 1))
             saves.append([MODES.index(mode), t2 - t1, write_s, t5 - t4, len(step_s) - spec.save_every])
     # The slowest rank's view of each step and save (they are collective-bound: all ranks end them together).
@@ -255,14 +259,15 @@ def projection(gbps: float, dtype_bytes: int = 2) -> list[dict]:
     its partition only."""
     from codegeex_train.accounting.planner import from_preset
     from codegeex_train.accounting.theory import Workload, stage_parameters
-    from codegeex_train.distributed.topology import ParallelDims
+    from codegeex_train.layout.dims import ParallelDims
 
     model, _, settings = from_preset("codegeex-13b")
     out = []
     for gpus in GPU_COUNTS:
         dims = ParallelDims(gpus, PRESET_TP)
-        plan = ParallelPlan(dims, 1, 1, seq_length=settings["seq_length"], hidden_size=model.hidden_size,
-                            dtype="bf16" if dtype_bytes == 2 else "fp32")
+        plan = ParallelPlan.derive(dims, micro_batch_size=1, num_layers=model.num_layers,
+                                   seq_length=settings["seq_length"], hidden_size=model.hidden_size,
+                                   dtype="bf16" if dtype_bytes == 2 else "fp32")
         psi = stage_parameters(Workload(model, plan), 0)  # per TP rank
         shard = 12 * -(-psi // dims.dp_size)
         busiest = dtype_bytes * psi + shard
@@ -333,7 +338,8 @@ def main(argv: list[str] | None = None) -> dict:
     a = parse(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".cache", "torch_extensions"))
-    from tests.harness import run_distributed
+    from codegeex_train.distributed.spawn import run_distributed
+    from codegeex_train.layout.dims import ParallelDims
 
     cfg = ModelConfig(num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
                       max_position_embeddings=a.seq_length, hidden_dropout=0.0, attention_dropout=0.0,
@@ -348,7 +354,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"{save_dir}", flush=True)
     t0 = time.perf_counter()
     try:
-        result = run_distributed(bench_rank, world_size=DP, deadline_s=1800.0, collective_timeout_s=600.0,
+        result = run_distributed(bench_rank, ParallelDims(DP), deadline_s=1800.0, collective_timeout_s=600.0,
                                  spec=spec)[0]
     finally:
         if not a.save_dir:

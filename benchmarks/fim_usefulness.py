@@ -5,7 +5,7 @@
     python benchmarks/fim_usefulness.py --skip-training       # score the two runs already under --work-dir
 
 1. The stdlib's .py files (the embedded corpus) are split by a hash of their path: ~10% held out, never trained on.
-   One tokenizer for both runs: the shipped one with the code sentinels appended (data/code_tokens.py), so both
+   One tokenizer for both runs: the shipped one with the code sentinels appended (tokenization/code_tokens.py), so both
    models have the same shape.
 2. scripts/pretrain_codegen.sh's default model and schedule trains twice, same seed and iterations, once with
    --fim-rate 0.5 (--fim-spm-rate 0.5, Megatron's and StarCoder's) and once without.
@@ -38,9 +38,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from codegeex_train.checkpoint.files import load_full_state_dict  # noqa: E402
-from codegeex_train.data.code_tokens import code_tokens, fim_prompt  # noqa: E402
-from codegeex_train.data.default_corpus import default_corpus_files, stdlib_source_dir  # noqa: E402
-from codegeex_train.data.tokenizer import default_tokenizer  # noqa: E402
+from codegeex_train.tokenization.code_tokens import code_tokens, fim_prompt  # noqa: E402
+from codegeex_train.preprocessing.default_corpus import default_corpus_files, stdlib_source_dir  # noqa: E402
+from codegeex_train.tokenization.tokenizer import default_tokenizer  # noqa: E402
 from codegeex_train.model import CodeGeeXModel  # noqa: E402
 
 PREFIX, SUFFIX, MAX_MIDDLE = 96, 64, 48

@@ -7,7 +7,7 @@ samples end at different lengths, as in a pass@k evaluation:
   ours  Generator.from_checkpoint(CKPT).generate_ids(prompts, num_samples=n, batch_size=B): one prefill per
         prompt, its keys and values shared by its samples, continuous batching over B rows (default the
         Generator's: min(P n, max(P, 64)), 64 here), stop strings incrementally;
-  HF    the checkpoint exported by our converter (checkpoint/hf_format.to_hf, what tools/convert_checkpoint.py
+  HF    the checkpoint exported by our converter (formats/huggingface/adapter.to_hf, what tools/convert_checkpoint.py
         --to-hf runs: a GPT-2-shaped model is transformers' GPT2LMHeadModel) and its exported tokenizer:
         generate(do_sample=True, num_return_sequences=n, stop_strings=HUMANEVAL_STOP, tokenizer=...), its own
         KV cache; either one call per prompt or all P prompts in one left-padded call, whichever is faster (one
@@ -56,10 +56,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from codegeex_train.checkpoint import hf_gpt2_config, hf_gpt2_to_full  # noqa: E402
+from codegeex_train.formats.huggingface.gpt2 import hf_gpt2_config, hf_gpt2_to_full  # noqa: E402
 from codegeex_train.checkpoint.files import CheckpointError, checkpoint_tokenizer, read_checkpoint_meta  # noqa: E402
 from codegeex_train.config.arguments import DataConfig  # noqa: E402
-from codegeex_train.data.tokenizer import load_tokenizer  # noqa: E402
+from codegeex_train.config.options import add_config_flags  # noqa: E402
+from codegeex_train.tokenization.tokenizer import load_tokenizer  # noqa: E402
 from codegeex_train.generation import HUMANEVAL_STOP, Generator, SamplingParams  # noqa: E402
 from codegeex_train.model import CodeGeeXModel, ModelConfig  # noqa: E402
 
@@ -105,7 +106,7 @@ def load_pair(ckpt: Path, hf_dir: Path):
     """(our Generator with the checkpoint's tokenizer, the HF export of the same checkpoint, its tokenizer)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from codegeex_train.checkpoint.hf_format import to_hf
+    from codegeex_train.formats.huggingface.adapter import to_hf
 
     settings, _ = checkpoint_tokenizer(ckpt, read_checkpoint_meta(ckpt)[1], {})
     tokenizer = load_tokenizer(DataConfig(**{k: v for k, v in settings.items() if v is not None}))
@@ -361,8 +362,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     e.add_argument("--cache-dir", default=str(ROOT / ".cache" / "benchmarks"), help="where the default model lives")
     e.add_argument("--prompts", type=int, default=8, help="P: HumanEval prompts, spread over the 164")
     e.add_argument("--samples", type=int, default=20, help="n: samples per prompt")
-    e.add_argument("--temperature", type=float, default=0.8)
-    e.add_argument("--top-p", type=float, default=0.95)
+    add_config_flags(e, SamplingParams, ("temperature", "top_p"), defaults={"temperature": 0.8, "top_p": 0.95})
     e.add_argument("--hf-mode", choices=("auto", "per-prompt", "batched"), default="auto",
                    help="HF's baseline: one call per prompt, all prompts in one call, or the faster (auto)")
     g = p.add_argument_group("--workload greedy (random weights)")

@@ -3,7 +3,7 @@
     python benchmarks/long_context.py                     # ~10 min on 2 idle cores
     python benchmarks/long_context.py --iters 2 --seq-lengths 2048 --cp-sizes 2   # a quick look
 
-Each run is ``pretrain.main`` on spawned gloo ranks (tests/harness.py), the tiny model (2 layers + the top query
+Each run is ``pretrain.main`` on spawned gloo ranks (distributed/spawn.py), the tiny model (2 layers + the top query
 layer, hidden 64, 4 heads, RoPE), micro-batch 1, fp32, on the stdlib's .py files (the embedded corpus, preprocessed
 into --work-dir on first use). Reported per run, from its metrics records after the first (warm-up) iteration:
 tokens/s (the whole job's: tokens per step / step time) and the largest resident memory of any rank (the ranks'
@@ -25,14 +25,29 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.harness import metrics_records, run_distributed, tiny_model_args  # noqa: E402
+from codegeex_train.bounded_read import read_jsonl  # noqa: E402
+from codegeex_train.distributed.spawn import run_distributed  # noqa: E402
+from codegeex_train.layout.dims import ParallelDims  # noqa: E402
 
 MODEL = ["--position-embedding-type", "rope", "--hidden-dropout", "0", "--attention-dropout", "0"]
+MAX_METRICS_BYTES = 1 << 30
+
+
+def model_args(seq: int) -> list[str]:
+    """The tiny model at sequence length ``seq``: 2 layers (+ the top query layer), hidden 64, 4 heads, RoPE."""
+    return ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", str(seq),
+            "--max-position-embeddings", str(seq), *MODEL]
+
+
+def train_records(save: Path) -> dict[int, dict]:
+    """The training records of ``save``/metrics.jsonl by iteration."""
+    return {r["iteration"]: r for _, r in read_jsonl(save / "metrics.jsonl", MAX_METRICS_BYTES)
+            if r.get("split", "train") == "train"}
 
 
 def data(work: Path) -> str:
-    from codegeex_train.data.default_corpus import default_corpus_files
-    from codegeex_train.data.preprocess import TokenizerSpec, preprocess
+    from codegeex_train.preprocessing.default_corpus import default_corpus_files
+    from codegeex_train.preprocessing.preprocess import TokenizerSpec, preprocess
 
     prefix = work / "stdlib_text_document"
     if not Path(f"{prefix}.idx").exists():
@@ -51,14 +66,12 @@ def train_and_measure(topology, argv):
 
 def run(work: Path, prefix: str, seq: int, cp: int, iters: int) -> dict:
     save = work / f"seq{seq}_cp{cp}"
-    argv = [*tiny_model_args(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=seq,
-                             max_position_embeddings=seq), *MODEL,
-            "--context-parallel-size", str(cp), "--micro-batch-size", "1", "--global-batch-size", "1",
+    argv = [*model_args(seq), "--context-parallel-size", str(cp), "--micro-batch-size", "1", "--global-batch-size", "1",
             "--train-iters", str(iters), "--lr", "1e-3", "--log-interval", "1", "--eval-interval", "100000",
             "--eval-iters", "1", "--data-path", prefix, "--split", "98,1,1", "--save", str(save),
             "--save-interval", "100000", "--no-progress-bar", "--num-workers", "0", "--skip-memory-check"]
-    peaks = run_distributed(train_and_measure, world_size=cp, cp_size=cp, deadline_s=3600, argv=argv)
-    records = metrics_records(save)
+    peaks = run_distributed(train_and_measure, ParallelDims(cp, cp_size=cp), deadline_s=3600, argv=argv)
+    records = train_records(save)
     timed = [records[i] for i in sorted(records) if i > 1] or [records[max(records)]]
     return {"seq_length": seq, "cp": cp, "iterations": len(records),
             "tokens_per_s": sum(r["tokens_per_s"] for r in timed) / len(timed),
@@ -72,9 +85,7 @@ def activations(seq: int, cp: int) -> float:
     from codegeex_train.accounting.theory import Workload, activation_bytes_per_microbatch
     from codegeex_train.config.arguments import parse_args, validate
 
-    argv = [*tiny_model_args(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=seq,
-                             max_position_embeddings=seq), *MODEL, "--context-parallel-size", str(cp),
-            "--micro-batch-size", "1", "--data-path", "x"]
+    argv = [*model_args(seq), "--context-parallel-size", str(cp), "--micro-batch-size", "1", "--data-path", "x"]
     args = parse_args(argv)
     model = args.model.with_vocab(50_000)
     return activation_bytes_per_microbatch(Workload.from_run(model, validate(args, cp, model))) / 2**30

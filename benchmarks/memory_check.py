@@ -86,8 +86,8 @@ def rank_worker(out: str, argv: list[str]) -> None:
 
 def default_data(directory: str) -> str:
     """A slice of the Python stdlib, preprocessed with the shipped tokenizer (as the suite's tiny_data)."""
-    from codegeex_train.data.default_corpus import default_corpus_files
-    from codegeex_train.data.preprocess import TokenizerSpec, preprocess
+    from codegeex_train.preprocessing.default_corpus import default_corpus_files
+    from codegeex_train.preprocessing.preprocess import TokenizerSpec, preprocess
 
     summary = preprocess(default_corpus_files()[:60], os.path.join(directory, "stdlib"),
                          TokenizerSpec(whitespace_encoding=True), append_eod=True, workers=1, progress=False)

@@ -51,8 +51,10 @@ import torch
 import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # run_distributed is tests/harness.py's, imported from the checkout's root
+if ROOT not in sys.path:  # this checkout's codegeex_train, whatever else is installed
     sys.path.insert(0, ROOT)
+
+from codegeex_train.layout.dims import ParallelDims  # noqa: E402  (pure values: imports neither torch nor DeepSpeed)
 
 BUBBLE_CONFIGS = {2: (2, 4, 8), 4: (4, 8)}  # pp size -> micro-batch counts, one spawn per pp size
 QUICK_BUBBLE_CONFIGS = {2: (2, 4)}
@@ -130,7 +132,7 @@ def bubble_section(run_distributed, configs, fwd_ms, steps):
     print(f"  {'p':>2} {'v':>2} {'m':>3} {'idle/compute':>12} {'(p-1)/(vm)':>10} {'idle/step':>9} "
           f"{'(p-1)/(vm+p-1)':>14} {'step ms':>8} {'ideal ms':>8}")
     for pp, ms in configs.items():
-        per_rank = run_distributed(bubble_rank, world_size=pp, tp_size=1, pp_size=pp, deadline_s=180.0,
+        per_rank = run_distributed(bubble_rank, ParallelDims(pp, 1, pp), deadline_s=180.0,
                                    micro_batches=ms, fwd_ms=fwd_ms, steps=steps)
         for p, v, m, ratio, theory, fraction, fraction_theory, wall in bubble_rows(per_rank, pp, ms):
             ideal = (m + (p - 1) / v) * 3 * fwd_ms  # every slot of the timeline, no p2p cost
@@ -204,7 +206,7 @@ def pp_section(run_distributed, data, tmp, iters, skip):
     for pp in (1, 2):
         save = os.path.join(tmp, f"pp{pp}")
         t0 = time.perf_counter()
-        run_distributed(run, world_size=2, tp_size=1, pp_size=pp, deadline_s=240.0, collective_timeout_s=120.0,
+        run_distributed(run, ParallelDims(2, 1, pp), deadline_s=240.0, collective_timeout_s=120.0,
                         argvs=[train_args(data, save, pp, iters)], log=os.path.join(tmp, f"pp{pp}.log"))
         results[pp] = tokens_per_s(save, skip)
         print(f"  PP={pp} DP={2 // pp}: {results[pp]:8.0f} tokens/s  ({32 // 4 // (2 // pp)} micro-batches "
@@ -220,7 +222,7 @@ def interleaved_section(run_distributed, data, tmp, iters, skip, rounds, shape):
           f"{iters} iterations each, tokens/s averaged over iterations > {skip}")
     saves = [(v, os.path.join(tmp, f"interleaved-{k}-v{v}")) for k in range(rounds) for v in CHUNKS]
     t0 = time.perf_counter()
-    times = run_distributed(run, world_size=2, tp_size=1, pp_size=2, deadline_s=600.0 * rounds,
+    times = run_distributed(run, ParallelDims(2, 1, 2), deadline_s=600.0 * rounds,
                             collective_timeout_s=300.0, log=os.path.join(tmp, "interleaved.log"),
                             argvs=[interleaved_args(data, save, shape, v, iters) for v, save in saves])
     results = {v: [tokens_per_s(save, skip) for w, save in saves if w == v] for v in CHUNKS}
@@ -239,8 +241,8 @@ def prepare_data(tmp):
     """The stdlib corpus, preprocessed; DeepSpeed's CPU comm op built (or loaded) outside the ranks' timeouts."""
     from deepspeed.accelerator import get_accelerator
 
-    from codegeex_train.data.default_corpus import default_corpus_files
-    from codegeex_train.data.preprocess import TokenizerSpec, preprocess
+    from codegeex_train.preprocessing.default_corpus import default_corpus_files
+    from codegeex_train.preprocessing.preprocess import TokenizerSpec, preprocess
 
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
     if builder is not None and builder.is_compatible():
@@ -278,7 +280,7 @@ def main(argv=None):
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(root, ".cache", "torch_extensions"))
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ["OMP_NUM_THREADS"] = "1"
-    from tests.harness import run_distributed
+    from codegeex_train.distributed.spawn import run_distributed
 
     if "bubble" in sections:
         bubble_section(run_distributed, QUICK_BUBBLE_CONFIGS if a.quick else BUBBLE_CONFIGS, a.fwd_ms, a.steps)

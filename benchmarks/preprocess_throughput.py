@@ -13,8 +13,8 @@ import argparse
 import os
 import tempfile
 
-from codegeex_train.data.default_corpus import default_corpus_files
-from codegeex_train.data.preprocess import PreprocessSummary, TokenizerSpec, preprocess
+from codegeex_train.preprocessing.default_corpus import default_corpus_files
+from codegeex_train.preprocessing.preprocess import PreprocessSummary, TokenizerSpec, preprocess
 
 
 def run(limit_mb: float, workers: list[int]) -> list[tuple[int, PreprocessSummary]]:

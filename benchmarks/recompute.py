@@ -41,7 +41,7 @@ linear's saved input anyway).
     python benchmarks/recompute.py --num-layers 1 --hidden-size 64 --num-attention-heads 4 --seq-length 128 \\
         --micro-batch-size 2 --warmup-iters 0 --iters 1 --json out.json     # ~15 s (tests/benchmarks/)
 
-Ranks are spawned here (tests.harness.run_distributed), one thread each.
+Ranks are spawned here (codegeex_train.distributed.spawn.run_distributed), one thread each.
 """
 
 from __future__ import annotations
@@ -64,11 +64,11 @@ import torch.distributed as dist
 from codegeex_train.config.arguments import Args, DataConfig, LoggingConfig, OptimConfig, ParallelConfig, TrainConfig
 from codegeex_train.config.deepspeed import build_deepspeed_config
 from codegeex_train.config.model_config import ModelConfig
-from codegeex_train.config.plan import ParallelPlan
-from codegeex_train.config.recompute import MODULES, Recompute
+from codegeex_train.layout.plan import ParallelPlan
+from codegeex_train.layout.recompute import MODULES, Recompute
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # run_distributed is tests/harness.py's, imported from the checkout's root
+if ROOT not in sys.path:  # this checkout's codegeex_train, whatever else is installed
     sys.path.insert(0, ROOT)
 
 TP = 2
@@ -132,14 +132,16 @@ def _reset_peak_rss() -> bool:
 
 class Variant:
     def __init__(self, name: str, recompute: Recompute, sp: bool, topology, spec: Spec):
-        from codegeex_train.model.codegeex import CodeGeeXModel
+        from codegeex_train.model import CodeGeeXModel, ModelGroups
         from codegeex_train.tensor_parallel import model_parallel_seed
         from codegeex_train.training.engine import build_engine
 
         self.name, self.sp, self.spec = name, sp, spec
         self.tracker = model_parallel_seed(spec.seed, topology.tp_rank)  # same weights in every variant
-        model = CodeGeeXModel(spec.model, topology.tp_group, self.tracker, seed=spec.seed, sequence_parallel=sp,
-                              recompute=recompute)
+        plan = ParallelPlan.derive(topology.dims, micro_batch_size=spec.micro_batch_size,
+                                   num_layers=spec.model.num_layers, sequence_parallel=sp, recompute=recompute,
+                                   seq_length=spec.seq_length, hidden_size=spec.model.hidden_size)
+        model = CodeGeeXModel(spec.model, ModelGroups.from_topology(topology), plan, self.tracker, seed=spec.seed)
         train = TrainConfig(micro_batch_size=spec.micro_batch_size, seq_length=spec.seq_length, zero_stage=2,
                             train_iters=spec.iters + spec.warmup_iters + 1, seed=spec.seed)
         optim = OptimConfig(lr=3e-4, lr_decay_style="constant")
@@ -150,8 +152,6 @@ class Variant:
         self.params = sum(p.numel() for p in model.parameters())
         zero = {"zero_optimization": {"stage": 2, "contiguous_gradients": True, "overlap_comm": False,
                                       "reduce_bucket_size": self.params, "allgather_bucket_size": self.params}}
-        plan = ParallelPlan(topology.dims, spec.micro_batch_size, 1, sequence_parallel=sp, recompute=recompute,
-                            seq_length=spec.seq_length, hidden_size=spec.model.hidden_size)
         config = build_deepspeed_config(args, plan, zero)
         self.engine = build_engine(model, optim, train.train_iters, config, topology)
         self.times: list[list[float]] = []
@@ -306,7 +306,8 @@ def main(argv: list[str] | None = None) -> dict:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.dirname(os.path.dirname(
         os.path.abspath(__file__))), ".cache", "torch_extensions"))
-    from tests.harness import run_distributed
+    from codegeex_train.distributed.spawn import run_distributed
+    from codegeex_train.layout.dims import ParallelDims
 
     cfg = ModelConfig(num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
                       max_position_embeddings=a.seq_length, hidden_dropout=a.dropout, attention_dropout=a.dropout,
@@ -320,7 +321,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"{a.iters} timed iterations per variant, interleaved")
     print(head, flush=True)
     t0 = time.perf_counter()
-    result = run_distributed(bench_rank, world_size=TP, tp_size=TP, deadline_s=900.0, collective_timeout_s=300.0,
+    result = run_distributed(bench_rank, ParallelDims(TP, TP), deadline_s=900.0, collective_timeout_s=300.0,
                              spec=spec)[0]
     wall = time.perf_counter() - t0
     print(f"\nrecompute and sequence parallelism, TP {TP} ({result['threads_per_rank']} thread(s) per rank; overhead "

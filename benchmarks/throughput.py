@@ -24,7 +24,7 @@ optimizer step; its time is the slowest rank's). Threads are split so all ranks 
     # one layout on launched ranks (what a GPU needs: NCCL; --device cuda is untested, no GPU here)
     torchrun --nproc_per_node 2 benchmarks/throughput.py --device cuda --bf16 --configs 2x1 --iters 20
 
-Without a launcher the script spawns the ranks itself (gloo, tests.harness.run_distributed);
+Without a launcher the script spawns the ranks itself (gloo, codegeex_train.distributed.spawn.run_distributed);
 under torchrun/deepspeed it runs the --configs whose TP x DP equals the launched world size.
 """
 
@@ -41,20 +41,21 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
-from codegeex_train.checkpoint import hf_gpt2_config
+from codegeex_train.formats.huggingface.gpt2 import hf_gpt2_config
 from codegeex_train.config.arguments import Args, DataConfig, LoggingConfig, OptimConfig, ParallelConfig, TrainConfig
 from codegeex_train.config.deepspeed import build_deepspeed_config
 from codegeex_train.config.model_config import ModelConfig
-from codegeex_train.config.plan import ParallelPlan
-from codegeex_train.distributed.topology import ParallelDims, Topology
-from codegeex_train.model.codegeex import CodeGeeXModel
+from codegeex_train.layout.plan import ParallelPlan
+from codegeex_train.distributed.topology import Topology
+from codegeex_train.layout.dims import ParallelDims
+from codegeex_train.model import CodeGeeXModel, ModelGroups
 from codegeex_train.model.flops import model_flops_per_iteration
 from codegeex_train.tensor_parallel import model_parallel_seed
 from codegeex_train.training.engine import build_engine
 from codegeex_train.training.optim import build_optimizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # run_distributed is tests/harness.py's, imported from the checkout's root
+if ROOT not in sys.path:  # this checkout's codegeex_train, whatever else is installed
     sys.path.insert(0, ROOT)
 
 PHASES = ("forward", "backward", "step", "total")
@@ -239,9 +240,10 @@ def build_plain_hf(spec: BenchSpec, device: torch.device) -> PlainHFStack:
 
 def build_ours(topology: Topology, spec: BenchSpec, device: torch.device, layout: BenchLayout) -> OurStack:
     tracker = model_parallel_seed(spec.seed, topology.tp_rank, device)
-    model = CodeGeeXModel(spec.model, topology.tp_group, tracker, seed=spec.seed, device=device)
-    batch_layout = ParallelPlan(ParallelDims(layout.world_size, layout.tp_size), spec.micro_batch_size, 1,
-                                dtype="bf16" if spec.bf16 else "fp32")
+    model = CodeGeeXModel(spec.model, ModelGroups.from_topology(topology), rng_tracker=tracker, seed=spec.seed,
+                          device=device)
+    batch_layout = ParallelPlan.derive(ParallelDims(layout.world_size, layout.tp_size),
+                                       micro_batch_size=spec.micro_batch_size, dtype="bf16" if spec.bf16 else "fp32")
     config = build_deepspeed_config(ds_args(spec, spec.micro_batch_size), batch_layout)
     engine = build_engine(model, spec.optim, spec.iters + spec.warmup_iters, config, topology)
     return OurStack("ours", engine, engine.mpu, topology.dp_rank, spec.micro_batch_size, spec, device)
@@ -267,7 +269,8 @@ def build_hf(topology: Topology, spec: BenchSpec, device: torch.device, layout: 
     torch.manual_seed(spec.seed)  # same replica on every rank (DeepSpeed also broadcasts it)
     model = GPT2LMHeadModel(hf_config).to(device)
     micro = hf_micro_batch_size(spec, layout)
-    batch_layout = ParallelPlan(ParallelDims(layout.world_size, 1), micro, 1, dtype="bf16" if spec.bf16 else "fp32")
+    batch_layout = ParallelPlan.derive(ParallelDims(layout.world_size, 1), micro_batch_size=micro,
+                                       dtype="bf16" if spec.bf16 else "fp32")
     config = build_deepspeed_config(ds_args(spec, micro), batch_layout)
     groups.mpu = None  # else this engine would inherit our engine's mpu (see Stack.iteration)
     engine = build_engine(model, spec.optim, spec.iters + spec.warmup_iters, config)
@@ -398,9 +401,9 @@ def main(argv: list[str] | None = None) -> None:
         else:
             if a.device == "cuda":
                 raise SystemExit("error: --device cuda needs a launcher: torchrun --nproc_per_node N ...")
-            from tests.harness import run_distributed
+            from codegeex_train.distributed.spawn import run_distributed
 
-            r = run_distributed(bench_rank, layout.world_size, layout.tp_size, deadline_s=900.0,
+            r = run_distributed(bench_rank, ParallelDims(layout.world_size, layout.tp_size), deadline_s=900.0,
                                 collective_timeout_s=300.0, spec=spec, layout=layout)[0]
         if r is not None:
             print(report(layout, spec, r), flush=True)

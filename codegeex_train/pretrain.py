@@ -33,22 +33,21 @@ import torch.distributed as dist
 from codegeex_train.accounting import CommCounter, Workload, comm_bytes_per_step, expected_memory_report
 from codegeex_train.accounting.fit import Host, check_run_memory
 from codegeex_train.accounting.memory import StepMemory
-from codegeex_train.checkpoint.async_save import async_checkpointer
 from codegeex_train.checkpoint.files import check_same_tokenizer, tokenizer_settings
+from codegeex_train.checkpoint.manager import CheckpointManager
 from codegeex_train.checkpoint.resume import Resume, preflight_load, restore
-from codegeex_train.checkpoint.retention import retention_hooks
-from codegeex_train.checkpoint.run_dir import ARCHIVE_DIR, archive_run, holds_run
-from codegeex_train.checkpoint.save_lock import SaveLockError, hold_save_dir
+from codegeex_train.checkpoint.run_dir import ARCHIVE_DIR, holds_run
+from codegeex_train.checkpoint.save_lock import SaveLockError
 from codegeex_train.checkpoint.train_state import TrainState
 from codegeex_train.config.arguments import Args, ConfigError, ParallelConfig, parse_args, validate
 from codegeex_train.config.config_file import dump_resolved, write_resolved
 from codegeex_train.config.deepspeed import build_deepspeed_config, load_user_config
 from codegeex_train.config.lr_schedule import LRScheduleShape, SchedulePolicy
 from codegeex_train.config.model_config import ModelConfig
-from codegeex_train.config.plan import ParallelPlan
+from codegeex_train.layout.plan import ParallelPlan
 from codegeex_train.config.redaction import redact_secrets
 from codegeex_train.data.token_range import TokenIdError
-from codegeex_train.data.tokenizer import Tokenizer, load_tokenizer
+from codegeex_train.tokenization.tokenizer import Tokenizer, load_tokenizer
 from codegeex_train.distributed.cluster import (
     ClusterError,
     cluster_report,
@@ -58,8 +57,9 @@ from codegeex_train.distributed.cluster import (
 )
 from codegeex_train.distributed.log import setup_logging
 from codegeex_train.distributed.malloc import fix_malloc_thresholds
-from codegeex_train.distributed.topology import ParallelDims, Topology
-from codegeex_train.data.fim import fim_from_flags
+from codegeex_train.distributed.topology import Topology
+from codegeex_train.layout.dims import ParallelDims, rank_seed
+from codegeex_train.data.fim import FIM, fim_from_flags
 from codegeex_train.evaluation.during_training import (
     humaneval_callback,
     humaneval_problems,
@@ -95,6 +95,7 @@ class Prepared:
     ds_config: dict
     resume: Resume | None  # None: a fresh start
     tokenizer: Tokenizer
+    fim: FIM | None  # the training split's FIM transform (--fim-rate), built once here; None: left to right
 
 
 def prepare(argv: list[str] | None) -> Prepared:
@@ -106,7 +107,7 @@ def prepare(argv: list[str] | None) -> Prepared:
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     try:
         tokenizer = load_tokenizer(args.data)
-        fim_from_flags(args.data, tokenizer)  # --fim-split-sample must be one token of this tokenizer
+        fim = fim_from_flags(args.data, tokenizer)  # --fim-split-sample must be one token of this tokenizer
     except ValueError as e:  # TokenizerError
         raise ConfigError(str(e)) from None
     model = args.model.with_vocab(tokenizer.vocab_size)
@@ -118,7 +119,7 @@ def prepare(argv: list[str] | None) -> Prepared:
     if args.train.dry_run_skip_data:
         log.info("dry run: data-file check skipped (--dry-run-skip-data: the data is built before the launch)")
     else:
-        preflight_data(args.data, model.padded_vocab_size, tokenizer)
+        preflight_data(args.data, model.padded_vocab_size, tokenizer, fim)
     ds_config = build_deepspeed_config(args, plan, load_user_config(args.train.deepspeed_config))
     if gpu_ranks_checked_without_gpu(args):
         log.info("dry run: GPU memory check skipped: this host has no GPU to measure (the ranks run "
@@ -148,7 +149,7 @@ def prepare(argv: list[str] | None) -> Prepared:
                                args.train.eval_infilling_tasks)
         except (SandboxError, ValueError, RuntimeError) as e:  # + ProblemsError
             raise ConfigError(f"--eval-infilling-interval: {e}") from None
-    return Prepared(args, model, plan, ds_config, resume, tokenizer)
+    return Prepared(args, model, plan, ds_config, resume, tokenizer, fim)
 
 
 def skip_inference_comm_op() -> None:
@@ -204,9 +205,9 @@ def start_description(prepared: Prepared) -> str:
 def dry_run_report(prepared: Prepared) -> str:
     """What ``--dry-run`` prints once every check has passed."""
     plan, start = prepared.plan, start_description(prepared)
-    return (f"dry run: every check passed at {plan.world_size} ranks (TP {plan.tp_size} x CP {plan.cp_size} x PP "
-            f"{plan.pp_size} x DP {plan.dp_size}), start {start}; no process group was created and nothing was "
-            f"written. The resolved config (pretrain --config takes it):\n{dump_resolved(prepared.args)}")
+    return (f"dry run: every check passed at {plan.world_size} ranks ({plan.dims.describe()}), start {start}; no "
+            f"process group was created and nothing was written. The resolved config (pretrain --config takes "
+            f"it):\n{dump_resolved(prepared.args)}")
 
 
 def init_distributed(parallel: ParallelConfig, dims: ParallelDims) -> tuple[Topology, torch.device]:
@@ -235,7 +236,6 @@ def init_distributed(parallel: ParallelConfig, dims: ParallelDims) -> tuple[Topo
     return Topology(dims, timeout=timeout), device
 
 
-CP_SEED_STRIDE = 100_003  # a prime far above 100 x PP: no (stage, CP rank) pair repeats another's seed
 
 
 def report_cluster(topology: Topology) -> dict:
@@ -263,16 +263,12 @@ def main(argv: list[str] | None = None) -> TrainState | None:
         print(redact_secrets(dry_run_report(prepared)), flush=True)
         return None
     args, model_config, plan, ds_config = prepared.args, prepared.model, prepared.plan, prepared.ds_config
-    try:  # one writer per --save: global rank 0 holds its lock until main returns (or the process ends)
-        save_lock = hold_save_dir(args.train.save) if args.train.save and global_rank() == 0 else None
+    try:  # one writer per --save: global rank 0 holds its lock as long as `checkpoints` lives (until main returns);
+        # --start-over moves the old run aside before anything new is written
+        checkpoints = CheckpointManager.for_run(args.train, rank=global_rank())
     except SaveLockError as e:
         log.error(e)
         raise SystemExit(2) from None
-    if save_lock is not None and args.train.start_over:  # the old run moves aside before anything new is written
-        archived = archive_run(args.train.save)
-        if archived is not None:
-            log.info(f"--start-over: the run in --save {args.train.save} was moved to {archived} (nothing deleted; "
-                     f"--load {archived} resumes it); a relaunch of this command would start over again")
     owns_process_group = not dist.is_initialized()
     try:
         topology, device = init_distributed(args.parallel, plan.dims)
@@ -286,11 +282,9 @@ def main(argv: list[str] | None = None) -> TrainState | None:
     profiling = Profiling.from_config(args.logging, t.save, topology.rank, device)
     if profiling:
         profiling.begin()  # before the model is built: its allocations belong in a memory snapshot
-    # Same default stream on every TP rank (replicated dropout), a per-TP-rank stream for sharded dropout;
-    # stages differ (Megatron's +100 per stage) so they do not repeat each other's masks, and so do CP ranks (each
-    # holds other tokens of the sequence; CP rank 0 keeps the seed of a run without CP).
-    tracker = model_parallel_seed(t.seed + 100 * topology.pp_rank + CP_SEED_STRIDE * topology.cp_rank,
-                                  topology.tp_rank, device)
+    # The default stream as the rank's place gives it (layout.dims.rank_seed), and a per-TP-rank stream for sharded
+    # dropout.
+    tracker = model_parallel_seed(rank_seed(t.seed, topology.coords), topology.tp_rank, device)
     model = CodeGeeXModel.for_rank(model_config, plan, topology, tracker, seed=t.seed, device=device)
     mark_shared_embedding_copy(model, topology)
     workload = Workload.from_run(model_config, plan, ds_config, device.type)
@@ -311,14 +305,14 @@ def main(argv: list[str] | None = None) -> TrainState | None:
                  f"{t.train_iters}: nothing to train; to continue it, raise --train-iters{keep}")
         return state  # (the process group goes with the process)
     train_ds, valid_ds, test_ds = build_datasets(args.data, t, plan, topology.rank, model_config.padded_vocab_size,
-                                                tokenizer=prepared.tokenizer)
+                                                fim=prepared.fim)
     sizes = num_samples(t, plan)
     train_loader = loader(train_ds, state.consumed_train_samples, plan, topology.dp_rank, args.data.num_workers,
                           sizes[0])
     valid_loader = valid_ds and loader(valid_ds, 0, plan, topology.dp_rank, 0, sizes[1])
     test_loader = test_ds and loader(test_ds, 0, plan, topology.dp_rank, 0, sizes[2])
 
-    logging_rank = topology.is_last_stage and topology.tp_rank == topology.cp_rank == topology.dp_rank == 0
+    logging_rank = topology.is_logging_rank
     run_config = {name: dataclasses.asdict(getattr(args, name)) for name in ("parallel", "train", "optim", "data")}
     logger = MetricsLogger(args.logging, enabled=logging_rank, save_dir=t.save,
                            run_config={"model": dataclasses.asdict(model_config), **run_config, "cluster": cluster},
@@ -342,16 +336,15 @@ def main(argv: list[str] | None = None) -> TrainState | None:
     measurement = Measurement(comm=CommCounter(topology.named_groups()),
                               comm_theory=comm_bytes_per_step(workload, topology.pp_rank),
                               memory=lambda: StepMemory(engine.module, workload, topology.pp_rank, device))
+    checkpoints.attach(engine, model_config, topology, tracker, num_chunks=plan.num_chunks,
+                       tokenizer=tokenizer_settings(args.data, prepared.tokenizer), resolved_config=dump_resolved(args),
+                       wandb_run_id=logger.wandb_run_id)
     run = Run(plan, model_config, t, args.logging, topology, engine, tracker, device, logger, flops, peak,
-              tokenizer_settings=tokenizer_settings(args.data, prepared.tokenizer),
-              resolved_config=dump_resolved(args),
               exit_conditions=exit_conditions,
               measurement=measurement, evaluate_humaneval=humaneval, evaluate_infilling=infilling,
               masking=DocumentMasking.from_config(args.data, prepared.tokenizer.eod),
               step_context=step_context_from_environment(engine.module), profiling=profiling,
-              checkpointer=async_checkpointer() if t.async_save and t.save else None,
-              after_commit=retention_hooks(t.keep_last_n_checkpoints, t.keep_every_n_iterations, topology.rank,
-                                           state.run_id))
+              checkpoints=checkpoints)
     try:
         state = train(run, state, train_loader, valid_loader, test_loader)
     except TokenIdError as e:  # data changed or damaged after the start-up scan: one line, the launcher ends the rest

@@ -44,8 +44,8 @@ def pytest_unconfigure(config):
 
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> str:
-    from codegeex_train.data.default_corpus import default_corpus_files  # after the environment above
-    from codegeex_train.data.preprocess import TokenizerSpec, preprocess
+    from codegeex_train.preprocessing.default_corpus import default_corpus_files  # after the environment above
+    from codegeex_train.preprocessing.preprocess import TokenizerSpec, preprocess
 
     out = tmp_path_factory.mktemp("data") / "stdlib"
     files = default_corpus_files()[:60]

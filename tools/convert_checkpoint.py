@@ -39,26 +39,27 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import resource
 import sys
 
-from codegeex_train.checkpoint.codegeex_release import from_codegeex, to_codegeex
+from codegeex_train.formats.codegeex_release.adapter import from_codegeex, to_codegeex
 from codegeex_train.checkpoint.convert import Layout, reshard
 from codegeex_train.checkpoint.files import TOKENIZER_FIELDS, CheckpointError
-from codegeex_train.checkpoint.hf_files import hf_weight_files, parse_size
-from codegeex_train.checkpoint.hf_format import DEFAULT_MAX_SHARD_BYTES, from_hf, to_hf
+from codegeex_train.formats.huggingface.files import hf_weight_files, parse_size
+from codegeex_train.formats.huggingface.adapter import DEFAULT_MAX_SHARD_BYTES, from_hf, to_hf
 from codegeex_train.checkpoint.retention import reading_checkpoint
 from codegeex_train.checkpoint.run_dir import new_checkpoint_dir
 from codegeex_train.checkpoint.save_lock import SaveLockError
 from codegeex_train.checkpoint.universal import to_universal
-from codegeex_train.config.arguments import DataConfig
+from codegeex_train.config.options import Default, add_config_flags
+from codegeex_train.config.tokenizer_flags import TokenizerFlags
 
 __all__ = ["Layout", "hf_weight_files", "main", "parse_args"]  # Layout, hf_weight_files: tests use them from here
 
 _LAYOUT_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
                  "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
                  "--num-layers-per-virtual-pipeline-stage")
+RECORDED = Default(None, "the checkpoint's")  # a tokenizer flag not given: the one the checkpoint records
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -105,12 +106,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     hf.add_argument("--max-shard-size", metavar="SIZE", help="largest safetensors file, e.g. 5GB, 500MiB (default "
                     "5GB, transformers 4's; a larger tensor gets a file of its own); past it: "
                     "model-0000i-of-0000n.safetensors and model.safetensors.index.json")
-    for f in dataclasses.fields(DataConfig):  # the training tokenizer flags: same spellings and help
-        if f.name in TOKENIZER_FIELDS:
-            kind = ({"action": "store_true"} if isinstance(f.default, bool)
-                    else {"metavar": f.name.upper(), "choices": f.metadata.get("choices")})
-            hf.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None, **kind,
-                            help=f.metadata.get("help", ""))
+    add_config_flags(hf, TokenizerFlags, defaults=dict.fromkeys(TOKENIZER_FIELDS, RECORDED))
     args = p.parse_args(argv)
     args.tokenizer_flags = {name: getattr(args, name) for name in TOKENIZER_FIELDS}
     hf_only = [f"--{name.replace('_', '-')}" for name, v in args.tokenizer_flags.items() if v]
@@ -176,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
                         to_universal(args.load, args.to_universal)
                     else:
                         reshard(args.load, args.save, layout_of(args))
-    # Our errors for bad input (ModelConfigError, PipelineSplitError and the converters' are ValueErrors);
+    # Our errors for bad input (ModelConfigError, the layout's LayoutError and the converters' are ValueErrors);
     # OSError: unreadable or unwritable paths, and transformers' report of an incomplete HF directory.
     except (CheckpointError, SaveLockError, ValueError, OSError) as e:
         sys.exit(f"convert_checkpoint.py: error: {' '.join(str(e).split())}")

@@ -96,26 +96,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     source.add_argument("--samples", metavar="FILE", help="completions already generated (.jsonl or .jsonl.gz)")
     source.add_argument("--canonical", action="store_true", help="score each problem's own canonical solution: a "
                         "check of the problems, toolchains and sandbox (every task should pass)")
+    from codegeex_train.checkpoint.files import TOKENIZER_FIELDS
+    from codegeex_train.config.options import Default, add_config_flags
+    from codegeex_train.config.tokenizer_flags import TokenizerFlags
+    from codegeex_train.generation import SamplingParams
+
     tok = p.add_argument_group("tokenizer (with --load; default: the one the checkpoint records; any of these "
                                "replaces it)")
-    tok.add_argument("--tokenizer-type", help="HFTokenizer, GPT2BPETokenizer, SentencePieceTokenizer or "
-                     "CodeGeeXTokenizer (CodeGeeX-13B's: GPT-2's files + its whitespace tokens) (default: the "
-                     "checkpoint's, else the shipped tokenizer)")
-    tok.add_argument("--tokenizer-model", help="tokenizer.json (HFTokenizer), .model (SentencePiece), or a Hugging "
-                     "Face tokenizer directory holding one")
-    tok.add_argument("--vocab-file", help="GPT-2 vocab.json (GPT2BPETokenizer, CodeGeeXTokenizer)")
-    tok.add_argument("--merge-file", help="GPT-2 merges.txt (GPT2BPETokenizer, CodeGeeXTokenizer)")
-    tok.add_argument("--whitespace-encoding", action="store_true", help="CodeGeeX's whitespace tokens")
+    add_config_flags(tok, TokenizerFlags,
+                     defaults=dict.fromkeys(TOKENIZER_FIELDS, Default(shown="the checkpoint's")))
     gen = p.add_argument_group("generation (with --load)")
     gen.add_argument("--num-samples-per-task", type=int, default=1, metavar="N",
                      help="completions per task (default 1: greedy)")
-    gen.add_argument("--max-new-tokens", type=int, default=300, help="(default: %(default)s)")
-    gen.add_argument("--temperature", type=float, default=None,
-                     help="sampling temperature (default: greedy for N = 1, else 0.8)")
-    gen.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling when sampling (default: %(default)s)")
-    gen.add_argument("--top-k", type=int, default=0, help="top-k when sampling, 0 = off (default: %(default)s)")
-    gen.add_argument("--seed", type=int, default=1234, help="task i's sample j draws from a random stream seeded by "
-                     "(seed, i, j): the same completions on a rerun, whatever --batch-size (default: %(default)s)")
+    # HumanEval's own defaults (the Codex paper's sampling, CodeGeeX's budget of new tokens)
+    add_config_flags(gen, SamplingParams, SamplingParams.FLAGS, defaults={
+        "max_new_tokens": 300, "temperature": Default(None, "greedy for N = 1, else 0.8"), "top_p": 0.95})
     gen.add_argument("--batch-size", type=int, default=None, help="samples decoded together (continuous batching: "
                      "a finished sample's row goes to the next, of any task) (default: all, at most max(tasks, 64))")
     gen.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
@@ -230,7 +225,7 @@ def load_generator(args):
         read_checkpoint_meta,
     )
     from codegeex_train.config.arguments import DataConfig
-    from codegeex_train.data.tokenizer import load_tokenizer
+    from codegeex_train.tokenization.tokenizer import load_tokenizer
 
     try:
         from codegeex_train.generation import Generator

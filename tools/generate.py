@@ -34,7 +34,6 @@ Bad input ends with one ``generate.py: error: ...`` line and a non-zero exit.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import re
@@ -49,12 +48,15 @@ import torch.distributed as dist
 from codegeex_train.checkpoint.files import TOKENIZER_FIELDS, CheckpointError, checkpoint_tokenizer
 from codegeex_train.config.arguments import ConfigError, DataConfig, ParallelConfig
 from codegeex_train.config.model_config import ModelConfig
-from codegeex_train.data.bounded_read import FileReadError, describe_size, read_text
-from codegeex_train.data.code_tokens import FIM_ORDERS
-from codegeex_train.data.tokenizer import TokenizerError, load_tokenizer
+from codegeex_train.config.options import Default, add_config_flags
+from codegeex_train.config.tokenizer_flags import TokenizerFlags
+from codegeex_train.bounded_read import FileReadError, describe_size, json_objects, read_text
+from codegeex_train.tokenization.code_tokens import FIM_ORDERS
+from codegeex_train.tokenization.tokenizer import TokenizerError, load_tokenizer
 from codegeex_train.distributed.cluster import ClusterError, join_process_group, rank_env_from_slurm
 from codegeex_train.distributed.log import get_logger, setup_logging
-from codegeex_train.distributed.topology import ParallelDims, Topology
+from codegeex_train.distributed.topology import Topology
+from codegeex_train.layout.dims import ParallelDims
 from codegeex_train.generation import FimFormat, Generator, InfillError, SamplingParams
 from codegeex_train.generation.generator import check_checkpoint_layout
 from codegeex_train.generation.infill import DEFAULT_MARKER, fim_format, fim_tokens_if_trained, split_at_marker
@@ -75,21 +77,6 @@ class GenerateError(ValueError):
 def unescape(text: str) -> str:
     """\\n, \\t and \\\\ as a newline, a tab and a backslash; any other backslash stays."""
     return _ESCAPE.sub(lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m.group(1)], text)
-
-
-def _add_fields(parser: argparse.ArgumentParser, cls: type, names: tuple[str, ...], title: str) -> None:
-    """The training flags of ``cls`` named in ``names``: the same spellings, defaults and help."""
-    group = parser.add_argument_group(title)
-    for f in dataclasses.fields(cls):
-        if f.name not in names:
-            continue
-        kw = {"dest": f.name, "default": f.default, "help": f.metadata.get("help", "")}
-        if isinstance(f.default, bool):
-            kw["action"] = "store_true"
-        else:
-            kw.update(type=str if f.default is None else type(f.default), choices=f.metadata.get("choices"),
-                      metavar=f.name.upper())
-        group.add_argument("--" + f.name.replace("_", "-"), **kw)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -115,12 +102,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "infilling: infill (the file), prefix, suffix, completion (the middle) (default: print the "
                    "prompts and completions, or the filled-in texts)")
     s = p.add_argument_group("sampling")
-    s.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default: 128)")
-    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
-    s.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
-    s.add_argument("--top-p", type=float, default=1.0, help="sample within the smallest set of tokens whose "
-                   "probability reaches p (1 = off)")
-    s.add_argument("--seed", type=int, default=1234, help="seed of the sampling generator (default: 1234)")
+    add_config_flags(s, SamplingParams, SamplingParams.FLAGS)
     s.add_argument("--stop", nargs="+", default=[], metavar="STRING", help="end a completion before the first of "
                    "these strings (\\n, \\t, \\\\ escapes), e.g. HumanEval's '\\ndef' '\\nclass' '\\nif' '\\nprint' "
                    "'\\n#'")
@@ -132,9 +114,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     precision = m.add_mutually_exclusive_group()
     precision.add_argument("--bf16", action="store_true", help="weights and cache in bf16 (default fp32)")
     precision.add_argument("--fp16", action="store_true", help="weights and cache in fp16")
-    _add_fields(p, DataConfig, TOKENIZER_FIELDS, "tokenizer (default: the one the checkpoint records; any of these "
-                "replaces it)")
-    _add_fields(p, ParallelConfig, PARALLEL_FIELDS, "parallelism")
+    add_config_flags(p.add_argument_group("tokenizer (default: the one the checkpoint records; any of these "
+                                          "replaces it)"), TokenizerFlags,
+                     defaults=dict.fromkeys(TOKENIZER_FIELDS, Default(shown="the checkpoint's")))
+    add_config_flags(p.add_argument_group("parallelism"), ParallelConfig, PARALLEL_FIELDS)
     args = p.parse_args(argv)
     args.infilling = args.infill is not None or args.prefix is not None or args.suffix is not None
     if (args.prefix is not None or args.suffix is not None) and (args.prompt is not None or args.prompt_file
@@ -171,21 +154,15 @@ def read_prompt_file(path: str) -> list[dict]:
     first = next((line for line in lines if line.strip()), "")
     try:
         jsonl = isinstance(json.loads(first), dict)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # not JSON (or nested past Python's limit): no JSON lines
         jsonl = False
     if not jsonl:
         if not text:
             raise GenerateError(f"--prompt-file {path}: the file is empty")
         return [{"prompt": text}]
     records = []
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise GenerateError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+    for lineno, record in json_objects(enumerate(lines, 1), path):  # FileReadError naming the line
+        if not isinstance(record.get("prompt"), str):
             raise GenerateError(f"{path}:{lineno}: expected a JSON object with a string \"prompt\"")
         records.append(record)
     return records

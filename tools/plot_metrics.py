@@ -20,7 +20,7 @@ import math
 import sys
 from pathlib import Path
 
-from codegeex_train.data.bounded_read import FileReadError, decode_utf8, read_lines
+from codegeex_train.bounded_read import FileReadError, decode_utf8, read_lines
 
 PROG = "plot_metrics.py"
 METRICS_FILE = "metrics.jsonl"

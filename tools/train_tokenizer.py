@@ -9,7 +9,7 @@ Special tokens count towards --vocab-size, so the ids are exactly 0..vocab_size-
 Regenerate the shipped default tokenizer (stdlib of Python 3.11, about 10 s on 2 cores):
 
     python tools/train_tokenizer.py --default-corpus --vocab-size 8192 \\
-        --output codegeex_train/data/assets/default_tokenizer.json
+        --output codegeex_train/tokenization/assets/default_tokenizer.json
 
 Train on your own code (directories searched recursively by extension; JSON lines by field):
 
@@ -30,10 +30,10 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from codegeex_train.data.corpus import CorpusError, CorpusStats, iter_documents
-from codegeex_train.data.default_corpus import default_corpus_files
-from codegeex_train.data.tokenizer import EOD_TOKEN
-from codegeex_train.data.whitespace import (
+from codegeex_train.preprocessing.corpus import CorpusError, CorpusStats, iter_documents
+from codegeex_train.preprocessing.default_corpus import default_corpus_files
+from codegeex_train.tokenization.tokenizer import EOD_TOKEN
+from codegeex_train.tokenization.whitespace import (
     DEFAULT_MAX_WHITESPACE_RUN,
     split_whitespace_runs,
     whitespace_tokens,

@@ -57,7 +57,7 @@ def world_of_one():
 
     from codegeex_train import pretrain
     from codegeex_train.config.arguments import ParallelConfig
-    from codegeex_train.distributed.topology import ParallelDims
+    from codegeex_train.layout.dims import ParallelDims
 
     if os.environ.get("DS_ACCELERATOR") != "cpu" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda but torch.cuda.is_available() is False (no GPU, or a CPU build of torch)")
@@ -77,8 +77,8 @@ def build_run(topology, device, model_config, *, precision: str, seq_length: int
         TrainConfig,
     )
     from codegeex_train.config.deepspeed import build_deepspeed_config
-    from codegeex_train.config.plan import ParallelPlan
-    from codegeex_train.config.recompute import Recompute
+    from codegeex_train.layout.plan import ParallelPlan
+    from codegeex_train.layout.recompute import Recompute
     from codegeex_train.model.codegeex import CodeGeeXModel
     from codegeex_train.model.flops import model_flops_per_iteration
     from codegeex_train.pipeline import mark_shared_embedding_copy
@@ -91,9 +91,10 @@ def build_run(topology, device, model_config, *, precision: str, seq_length: int
                         checkpoint_activations=checkpoint_activations)
     optim = OptimConfig(lr=lr, lr_decay_style="constant", clip_grad=1.0)
     args = Args(model_config, ParallelConfig(), train, optim, DataConfig(), LoggingConfig())
-    plan = ParallelPlan(topology.dims, micro_batch_size, num_microbatches, (range(model_config.num_layers),),
-                        recompute=Recompute.full() if checkpoint_activations else Recompute(), seq_length=seq_length,
-                        hidden_size=model_config.hidden_size, dtype=precision)
+    plan = ParallelPlan.derive(topology.dims, micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
+                               num_layers=model_config.num_layers,
+                               recompute=Recompute.full() if checkpoint_activations else Recompute(),
+                               seq_length=seq_length, hidden_size=model_config.hidden_size, dtype=precision)
     ds_config = build_deepspeed_config(args, plan, ds_user)
     tracker = model_parallel_seed(seed, topology.tp_rank, device)
     model = CodeGeeXModel.for_rank(model_config, plan, topology, tracker, seed=seed, device=device)

@@ -16,8 +16,7 @@ def unit_d(a, state: State, topology, device, deadline: Deadline) -> None:
     from transformers import GPT2LMHeadModel
     from transformers.utils import logging as hf_logging
 
-    from codegeex_train.checkpoint import hf_gpt2_config
-    from codegeex_train.checkpoint.hf_gpt2 import full_to_hf_gpt2
+    from codegeex_train.formats.huggingface.gpt2 import full_to_hf_gpt2, hf_gpt2_config
     from codegeex_train.config.model_config import ModelConfig
     from codegeex_train.generation import Generator, SamplingParams
     from codegeex_train.model.codegeex import CodeGeeXModel

@@ -25,8 +25,8 @@ def code_batches(a, count: int):
     shipped tokenizer: real code, so the loss falls over the iterations. Returns (batches, vocab size)."""
     import torch
 
-    from codegeex_train.data.default_corpus import default_corpus_files
-    from codegeex_train.data.tokenizer import default_tokenizer
+    from codegeex_train.preprocessing.default_corpus import default_corpus_files
+    from codegeex_train.tokenization.tokenizer import default_tokenizer
 
     tokenizer = default_tokenizer()
     b, s = a.small_micro_batch_size, a.small_seq_length

@@ -18,7 +18,7 @@ What one rank needs (bytes):
         SLURM_NTASKS_PER_NODE ranks per host; all of them without). RLIMIT_AS is per process: a rank's need plus
         ADDRESS_SPACE_BYTES (thread stacks, malloc arenas: address space that is never resident).
   GPU   ``theory.memory_per_rank`` whole + the planner's per-device overhead (CUDA context, NCCL buffers, allocator
-        fragmentation: ``planner.Cluster.overhead_gb``) against the free memory of the rank's device; the host
+        fragmentation: ``planner.Hardware.overhead_gb``) against the free memory of the rank's device; the host
         still holds FRAMEWORK_BYTES per rank (and the optimizer state when ZeRO offloads it).
   Both  the sample index (data/gpt_dataset.py ``build_sample_index``, data/blended_dataset.py), built in memory on
         rank 0's host: 48 bytes per sample and 20 per (document x epoch) at its peak, 10 per sample for a blend.
@@ -33,22 +33,23 @@ import os
 from dataclasses import dataclass, replace
 
 from codegeex_train.accounting import available
-from codegeex_train.accounting.planner import Cluster
+from codegeex_train.accounting.planner import Hardware
 from codegeex_train.accounting.theory import Workload, memory_per_rank
 from codegeex_train.config.arguments import ConfigError, DataConfig, TrainConfig
 from codegeex_train.config.model_config import ModelConfig, ModelConfigError
-from codegeex_train.config.plan import ParallelPlan
-from codegeex_train.config.recompute import Recompute
+from codegeex_train.layout.plan import ParallelPlan
+from codegeex_train.layout.recompute import Recompute
 from codegeex_train.data.gpt_dataset import parse_data_prefix, split_document_ranges
 from codegeex_train.data.indexed_dataset import MMapIndexedDataset
 from codegeex_train.distributed.malloc import THRESHOLD_BYTES
-from codegeex_train.distributed.topology import ParallelConfigError, ParallelDims
+from codegeex_train.layout.dims import ParallelDims
+from codegeex_train.layout.errors import LayoutError
 
 GIB = 2**30
 FRAMEWORK_BYTES = 170 * 2**20  # measured: 167-175 MiB (benchmarks/memory_check.py, the tiny shape)
 FRAGMENTATION = 0.45  # measured: 0.3-0.6 of the heap-allocated activations (the default and PP shapes)
 ADDRESS_SPACE_BYTES = GIB  # measured: a CPU rank's VmSize grows 0.15-0.85 GiB more than its RSS
-GPU_OVERHEAD_BYTES = int(Cluster.overhead_gb * GIB)
+GPU_OVERHEAD_BYTES = int(Hardware.overhead_gb * GIB)
 INDEX_BYTES_PER_SAMPLE, INDEX_BYTES_PER_DOCUMENT_EPOCH, BLEND_BYTES_PER_SAMPLE = 48, 20, 10  # measured (tracemalloc)
 
 
@@ -200,26 +201,18 @@ def _variant(w: Workload, tp: int, pp: int, micro: int, recompute: Recompute, sp
     """``w`` at another layout (same global batch; an even layer split when PP changes; its CP unless ``cp``), or
     None if training would refuse it."""
     plan = w.plan
-    cp = plan.dims.cp_size if cp is None else cp
+    same_stages = pp == plan.dims.pp_size
     try:
-        dims = ParallelDims(plan.dims.world_size, tp, pp, cp)
         w.model.validate(tp)
-    except (ParallelConfigError, ModelConfigError):
+        new = ParallelPlan.derive(
+            ParallelDims(plan.dims.world_size, tp, pp, plan.dims.cp_size if cp is None else cp),
+            micro_batch_size=micro, global_batch_size=plan.global_batch_size, num_layers=w.model.num_layers,
+            stage_layers=plan.stage_layers if same_stages and plan.num_chunks == 1 else None,
+            num_chunks=plan.num_chunks if same_stages else 1, sequence_parallel=sp, recompute=recompute,
+            seq_length=plan.seq_length, hidden_size=plan.hidden_size, dtype=plan.dtype)
+    except (LayoutError, ModelConfigError):
         return None
-    per_step = micro * dims.dp_size
-    if (plan.global_batch_size % per_step or (cp > 1 and w.seq_length % (2 * cp))
-            or (sp and tp > 1 and w.seq_length // cp % tp)):
-        return None
-    m = plan.global_batch_size // per_step
-    if pp == plan.dims.pp_size:
-        new = replace(plan, dims=dims, micro_batch_size=micro, num_microbatches=m)
-    elif w.model.num_layers % pp == 0 and pp <= w.model.num_layers:
-        n = w.model.num_layers // pp
-        new = replace(plan, dims=dims, micro_batch_size=micro, num_microbatches=m,
-                      stage_layers=tuple(range(i * n, (i + 1) * n) for i in range(pp)), num_chunks=1, chunk_layers=())
-    else:
-        return None
-    return replace(w, plan=replace(new, recompute=recompute, sequence_parallel=sp and tp > 1))
+    return replace(w, plan=new)
 
 
 def _flags(w: Workload, v: Workload) -> str:

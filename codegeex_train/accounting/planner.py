@@ -59,11 +59,12 @@ from codegeex_train.accounting.theory import (
 )
 from codegeex_train.config.config_file import PLANNER_SECTION, ConfigFileError, preset_path, section
 from codegeex_train.config.model_config import ModelConfig, ModelConfigError
-from codegeex_train.config.plan import ParallelPlan
-from codegeex_train.config.recompute import Recompute
-from codegeex_train.distributed.topology import ParallelDims
+from codegeex_train.layout.dims import ParallelDims
+from codegeex_train.layout.errors import LayoutError
+from codegeex_train.layout.plan import ParallelPlan, context_parallel_chunk_length
+from codegeex_train.layout.recompute import Recompute
 from codegeex_train.model.flops import layer_forward_flops
-from codegeex_train.pipeline.stages import PipelineSplitError, stage_layer_counts
+from codegeex_train.layout.stages import stage_layer_counts
 
 GIB = 2**30
 # CP is listed when a rank keeps at least this many tokens of a sequence: below it a ring step's block (2 b (s/n)^2 h/t
@@ -112,13 +113,13 @@ def _model(values: dict) -> ModelConfig:
                        vocab_size=values["vocab_size"])
 
 
-def _cluster(values: dict) -> "Cluster":
-    return Cluster(**{k: values[k] for k in ("world_size", "gpus_per_node", "gpu_memory_gb", "peak_tflops",
+def _cluster(values: dict) -> "Hardware":
+    return Hardware(**{k: values[k] for k in ("world_size", "gpus_per_node", "gpu_memory_gb", "peak_tflops",
                                              "intra_node_gbps", "inter_node_gbps", "efficiency", "overhead_gb",
                                              "fused_attention") if k in values})
 
 
-def from_preset(name: str) -> tuple[ModelConfig, "Cluster", dict]:
+def from_preset(name: str) -> tuple[ModelConfig, "Hardware", dict]:
     """(model, cluster, rank_layouts() keywords) of a preset."""
     v = preset_values(name)
     return _model(v), _cluster(v), {"seq_length": v["seq_length"], "global_batch_size": v["global_batch_size"],
@@ -126,7 +127,7 @@ def from_preset(name: str) -> tuple[ModelConfig, "Cluster", dict]:
 
 
 @dataclass(frozen=True)
-class Cluster:
+class Hardware:
     """The machine. Defaults are an A100-80GB class node: 312 TFLOP/s bf16, NVLink (~300 GB/s of ring bus
     bandwidth per GPU = 2400 Gb/s), one 200 Gb/s InfiniBand port per GPU."""
 
@@ -144,7 +145,7 @@ class Cluster:
 
 
 @dataclass
-class Row:
+class LayoutEstimate:
     """One layout and its estimate. Bytes are per rank per optimizer step, the largest over stages."""
 
     plan: ParallelPlan  # the layout, with its sequence parallelism and recompute choice
@@ -225,7 +226,7 @@ class Row:
 
     @property
     def split_flags(self) -> list[str]:
-        """The training flags that give this split (pipeline/stages.py): none when even."""
+        """The training flags that give this split (layout/stages.py): none when even."""
         c = self.layer_counts
         if len(set(c)) == 1:
             return []
@@ -271,7 +272,7 @@ def _best_split(model_key: tuple, num_layers: int, pp: int) -> tuple[int, ...]:
         for last in options if pp > 1 else [None]:
             try:
                 counts = tuple(stage_layer_counts(num_layers, pp, first, last))
-            except PipelineSplitError:
+            except LayoutError:
                 continue
             cost = max(_stage_flops(model, n, i == pp - 1, 1, 1)[0] for i, n in enumerate(counts))
             if best_cost is None or cost < best_cost:
@@ -328,27 +329,26 @@ def _layer_ranges(counts: tuple[int, ...]) -> tuple[range, ...]:
     return tuple(range(end - n, end) for n, end in zip(counts, accumulate(counts)))
 
 
-def estimate_layout(model: ModelConfig, cluster: Cluster, *, seq_length: int, global_batch_size: int, tp: int,
+def estimate_layout(model: ModelConfig, cluster: Hardware, *, seq_length: int, global_batch_size: int, tp: int,
                     pp: int, micro_batch_size: int, recompute: Recompute = Recompute(),
                     sequence_parallel: bool = False, dtype_bytes: int = 2,
                     stage_layers: tuple[int, ...] | None = None, num_chunks: int = 1, device: str = "cuda",
-                    cp: int = 1) -> Row:
-    """Memory, traffic and step time of one layout (no constraint checks beyond the arithmetic).
-    ``stage_layers``: layers per stage; default the split with the fastest slowest stage, or with ``num_chunks``
-    v > 1 (interleaved 1F1B) the even split into p x v chunks. ``device``: "cuda" or "cpu" (the accounting's
-    device; a cluster without fused attention overrides it). ``cp``: the context-parallel size."""
-    dims = ParallelDims(cluster.world_size, tp, pp, cp)
-    dp = dims.dp_size
-    m = global_batch_size // (micro_batch_size * dp)
+                    cp: int = 1) -> LayoutEstimate:
+    """Memory, traffic and step time of one layout, whose plan training's rules derive (``ParallelPlan.derive``:
+    LayoutError for a layout training would refuse). ``stage_layers``: layers per stage; default the split with the
+    fastest slowest stage, or with ``num_chunks`` v > 1 (interleaved 1F1B) the even split into p x v chunks.
+    ``device``: "cuda" or "cpu" (the accounting's device; a cluster without fused attention overrides it). ``cp``:
+    the context-parallel size."""
     counts = stage_layers
     if counts is None and num_chunks == 1:
         counts = _best_split(tuple(sorted(vars(model).items())), model.num_layers, pp)
-    # interleaved: the Workload makes the chunks (and the stages' layers) as training does
-    plan = ParallelPlan(dims, micro_batch_size, m, _layer_ranges(counts) if counts else (), num_chunks,
-                        sequence_parallel=sequence_parallel and tp > 1, recompute=recompute, seq_length=seq_length,
-                        hidden_size=model.hidden_size, dtype="fp32" if dtype_bytes == 4 else "bf16")
+    plan = ParallelPlan.derive(ParallelDims(cluster.world_size, tp, pp, cp), micro_batch_size=micro_batch_size,
+                               global_batch_size=global_batch_size, num_layers=model.num_layers,
+                               stage_layers=_layer_ranges(counts) if counts else None, num_chunks=num_chunks,
+                               sequence_parallel=sequence_parallel, recompute=recompute, seq_length=seq_length,
+                               hidden_size=model.hidden_size, dtype="fp32" if dtype_bytes == 4 else "bf16")
     w = Workload(model, plan, device=device if cluster.fused_attention else "unfused")
-    plan, counts = w.plan, tuple(len(r) for r in w.plan.stage_layers)
+    dp, m, counts = plan.dims.dp_size, plan.num_microbatches, tuple(len(r) for r in plan.stage_layers)
     stages = range(pp)
     mems = [memory_per_rank(w, i) for i in stages]
     comms = [comm_bytes_per_step(w, i) for i in stages]
@@ -400,18 +400,38 @@ def estimate_layout(model: ModelConfig, cluster: Cluster, *, seq_length: int, gl
     # by group, ZeRO's under "dp" (DP x CP's under CP), "cp" 0 at CP 1
     bytes_ = {g: max(c.get(g, 0) for c in comms) for g in ("tp", "cp", "pp", "embedding")}
     bytes_["dp"] = max(c[w.dp_group] for c in comms)
-    return Row(plan=plan, parameters=max(stage_parameters(w, i) for i in stages), memory_gb=memory_gb,
+    return LayoutEstimate(plan=plan, parameters=max(stage_parameters(w, i) for i in stages), memory_gb=memory_gb,
                memory_parts=mems[worst].as_dict(), fits=memory_gb <= cluster.gpu_memory_gb,
                comm_bytes=bytes_, bubble_fraction=(pp - 1) / (num_chunks * m), time_parts=parts)
+
+
+def _derived(dims: ParallelDims, **kw) -> ParallelPlan | None:
+    """The plan training derives for this layout, or None where it refuses it."""
+    try:
+        return ParallelPlan.derive(dims, **kw)
+    except LayoutError:
+        return None
 
 
 def chunk_counts(num_layers: int, pp: int, num_microbatches: int) -> list[int]:
     """The v (model chunks per rank) training accepts for a layout: 1, and where Megatron's rules allow interleaving
     (PP > 1, m divisible by PP) every v > 1 that splits the layers evenly into p x v chunks."""
-    if pp == 1 or num_microbatches % pp:
-        return [1]
-    # n layers per virtual stage, v = layers / (p n) >= 2
-    return [1] + [num_layers // (pp * n) for n in range(num_layers // (2 * pp), 0, -1) if num_layers % (pp * n) == 0]
+    dims, counts = ParallelDims(pp, pp_size=pp), [1]
+    for n in range(num_layers // (2 * pp), 0, -1):  # n layers per virtual stage: v = layers / (p n) >= 2
+        plan = _derived(dims, micro_batch_size=1, num_microbatches=num_microbatches, num_layers=num_layers,
+                        num_layers_per_virtual_pipeline_stage=n)
+        if plan is not None:
+            counts.append(plan.num_chunks)
+    return counts
+
+
+def _splits_sequence(seq_length: int, cp: int) -> bool:
+    """Whether CP ``cp`` cuts ``seq_length`` the way training does (``ParallelPlan.derive``)."""
+    try:
+        context_parallel_chunk_length(seq_length, cp)
+    except LayoutError:
+        return False
+    return True
 
 
 def context_parallel_sizes(seq_length: int, world_size: int) -> list[int]:
@@ -419,60 +439,75 @@ def context_parallel_sizes(seq_length: int, world_size: int) -> list[int]:
     sequence (training's rule) with at least ``MIN_CP_TOKENS`` tokens per rank."""
     sizes, n = [1], 2
     while seq_length // n >= MIN_CP_TOKENS and world_size % n == 0:
-        if seq_length % (2 * n) == 0:
+        if _splits_sequence(seq_length, n):
             sizes.append(n)
         n *= 2
     return sizes
 
 
-def candidate_layouts(model: ModelConfig, cluster: Cluster, seq_length: int, global_batch_size: int,
+def _splits_model(model: ModelConfig, tp: int) -> bool:
+    """Whether TP ``tp`` divides the heads, the MLP and the padded vocabulary (the shards), as training checks it."""
+    try:
+        model.validate(tp)
+    except ModelConfigError:
+        return False
+    return True
+
+
+def candidate_layouts(model: ModelConfig, cluster: Hardware, seq_length: int, global_batch_size: int,
                       micro_batch_sizes: list[int] | None = None, cp_sizes: list[int] | None = None):
     """(tp, cp, pp, micro, v) that training would accept: TP divides the heads, the MLP and the padded vocabulary
     (the shards) and the node (TP stays on NVLink); CP from ``cp_sizes`` (default ``context_parallel_sizes``); PP <=
-    layers; DP = world / (TP x CP x PP) whole; the global batch divides by micro x DP (a whole number of
-    micro-batches per DP rank); v from ``chunk_counts``."""
+    layers; the rest as ``ParallelPlan.derive`` checks it (DP = world / (TP x CP x PP) whole, a whole number of
+    micro-batches per DP rank, the sequence split); v from ``chunk_counts``. Micro-batches: ``micro_batch_sizes``,
+    default every power of two that training accepts."""
     world = cluster.world_size
     for tp in range(1, cluster.gpus_per_node + 1):
-        if (cluster.gpus_per_node % tp or model.num_attention_heads % tp or model.ffn_hidden_size % tp
-                or model.padded_vocab_size % tp or world % tp):
+        if cluster.gpus_per_node % tp or not _splits_model(model, tp):
             continue
         for cp in cp_sizes or context_parallel_sizes(seq_length, world):
-            if world % (tp * cp) or seq_length % (2 * cp if cp > 1 else 1):
-                continue
             for pp in range(1, min(model.num_layers, world // (tp * cp)) + 1):
-                if world % (tp * cp * pp):
+                try:
+                    dims = ParallelDims(world, tp, pp, cp)
+                except LayoutError:
                     continue
-                dp = world // (tp * cp * pp)
-                if global_batch_size % dp:
-                    continue
-                per_dp = global_batch_size // dp
-                micros = micro_batch_sizes or [1 << k for k in range(per_dp.bit_length()) if per_dp % (1 << k) == 0]
-                for b in micros:
-                    if per_dp % b == 0:
-                        for v in chunk_counts(model.num_layers, pp, per_dp // b):
+                for b in micro_batch_sizes or [1 << k for k in range(global_batch_size.bit_length())]:
+                    plan = _derived(dims, micro_batch_size=b, global_batch_size=global_batch_size,
+                                    seq_length=seq_length)
+                    if plan is not None:
+                        for v in chunk_counts(model.num_layers, pp, plan.num_microbatches):
                             yield tp, cp, pp, b, v
 
 
 RECOMPUTES = (Recompute(), Recompute("selective"), Recompute.full())  # none, selective (core_attn), full
 
 
-def rank_layouts(model: ModelConfig, cluster: Cluster, *, seq_length: int, global_batch_size: int,
+def rank_layouts(model: ModelConfig, cluster: Hardware, *, seq_length: int, global_batch_size: int,
                  micro_batch_sizes: list[int] | None = None, dtype_bytes: int = 2,
                  recomputes: tuple[Recompute, ...] = RECOMPUTES,
-                 sequence_parallel: tuple[bool, ...] = (False, True), cp_sizes: list[int] | None = None) -> list[Row]:
+                 sequence_parallel: tuple[bool, ...] = (False, True), cp_sizes: list[int] | None = None) -> list[LayoutEstimate]:
     """Every valid layout (interleaved or not, with each CP size of ``cp_sizes``, default
     ``context_parallel_sizes``) with each recompute choice, and with and without sequence parallelism where TP > 1
     divides a rank's tokens: fitting ones first ranked by estimated step time (``rank`` 1, 2, ...), then the ones
     that do not fit, by memory."""
     model.validate()
     model.check_sequence_length(seq_length)
-    rows = [estimate_layout(model, cluster, seq_length=seq_length, global_batch_size=global_batch_size, tp=tp,
-                            pp=pp, micro_batch_size=b, recompute=rc, sequence_parallel=sp, dtype_bytes=dtype_bytes,
-                            num_chunks=v, cp=cp)
-            for tp, cp, pp, b, v in candidate_layouts(model, cluster, seq_length, global_batch_size,
-                                                      micro_batch_sizes, cp_sizes)
-            for sp in sequence_parallel if not sp or (tp > 1 and seq_length // cp % tp == 0)
-            for rc in recomputes]
+    rows = []
+    for tp, cp, pp, b, v in candidate_layouts(model, cluster, seq_length, global_batch_size, micro_batch_sizes,
+                                              cp_sizes):
+        for sp in sequence_parallel:
+            if sp and tp == 1:
+                continue  # SP does nothing at TP 1: the row without it
+            for rc in recomputes:
+                try:
+                    rows.append(estimate_layout(model, cluster, seq_length=seq_length,
+                                                global_batch_size=global_batch_size, tp=tp, pp=pp, micro_batch_size=b,
+                                                recompute=rc, sequence_parallel=sp, dtype_bytes=dtype_bytes,
+                                                num_chunks=v, cp=cp))
+                except LayoutError:  # SP where TP does not divide a rank's tokens: training refuses it
+                    if not sp:
+                        raise
+                    break
     fit = sorted((r for r in rows if r.fits), key=lambda r: r.step_time)
     for i, r in enumerate(fit, 1):
         r.rank = i
@@ -486,8 +521,8 @@ COLUMNS = ("#", "TP", "PP", "v", "DP", "micro", "m", "SP", "recompute", "CP", "l
            "dp s", "emb s")
 
 
-def format_table(rows: list[Row]) -> str:
-    def cells(r: Row) -> list[str]:
+def format_table(rows: list[LayoutEstimate]) -> str:
+    def cells(r: LayoutEstimate) -> list[str]:
         gb = {g: f"{v / 1e9:.2f}" for g, v in r.comm_bytes.items()}
         t, layout, dims = r.time_parts, r.plan, r.plan.dims
         return [str(r.rank or "-"), str(dims.tp_size), str(dims.pp_size), str(r.num_chunks), str(dims.dp_size),
@@ -549,7 +584,7 @@ def build_parser() -> argparse.ArgumentParser:
     prec = m.add_mutually_exclusive_group()
     for name in ("bf16", "fp16", "fp32"):
         prec.add_argument(f"--{name}", dest="dtype", action="store_const", const=name)
-    c = p.add_argument_group("cluster (defaults: A100-80GB class; see Cluster)")
+    c = p.add_argument_group("cluster (defaults: A100-80GB class; see Hardware)")
     c.add_argument("--world-size", type=pint)
     c.add_argument("--gpus-per-node", type=pint)
     c.add_argument("--gpu-memory-gb", type=pfloat)
@@ -583,9 +618,11 @@ def main(argv: list[str] | None = None) -> None:
     model, cluster = _model(values), _cluster(values)
     dtype = values.get("dtype", "bf16")
     only_cp, seq = values.get("context_parallel_size"), values["seq_length"]
-    if only_cp is not None and only_cp > 1 and seq % (2 * only_cp):
-        p.error(f"--context-parallel-size {only_cp} cuts --seq-length {seq} into {2 * only_cp} chunks: not "
-                f"divisible; use a CP that divides --seq-length / 2")
+    if only_cp is not None and only_cp > 1:
+        try:
+            context_parallel_chunk_length(seq, only_cp)
+        except LayoutError as e:
+            p.error(str(e))
     cp_sizes = None if only_cp is None else sorted({*context_parallel_sizes(seq, cluster.world_size), only_cp})
     try:
         rows = rank_layouts(model, cluster, seq_length=seq, global_batch_size=values["global_batch_size"],

@@ -21,30 +21,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from codegeex_train.config.model_config import ModelConfig
-from codegeex_train.config.plan import ParallelPlan
-from codegeex_train.config.recompute import Recompute
+from codegeex_train.layout.plan import ParallelPlan
+from codegeex_train.layout.recompute import Recompute
 from codegeex_train.context_parallel import ring_attention_bytes
 from codegeex_train.pipeline.schedules import interleaved_one_f_one_b
-from codegeex_train.pipeline.stages import chunked_stage_layers, rank_chunk_layers
-
-
-def _covers_once(ranges: Sequence[Sequence[int]], num_layers: int) -> bool:
-    """Whether the stages' layers are 0 .. num_layers - 1, each once: for ranges in O(stages), so that a run of
-    --num-layers 10**9 is refused by the memory check instead of listing its layers."""
-    if all(isinstance(r, range) and r.step == 1 for r in ranges):
-        end = 0
-        for r in sorted((r for r in ranges if len(r)), key=lambda r: r.start):
-            if r.start != end:
-                return False
-            end = r.stop
-        return end == num_layers
-    return sorted(i for r in ranges for i in r) == list(range(num_layers))
+from codegeex_train.layout.stages import covers_each_layer_once
 
 
 @dataclass(frozen=True)
 class Workload:
-    """A model and the run's ``ParallelPlan``, as the formulas need them: the plan gives the sizes, micro-batches, the
-    layers of each stage (an empty ``stage_layers`` means an even split), the sequence length, the dtype,
+    """A model and the run's ``ParallelPlan`` (``ParallelPlan.derive`` with the model's layers), as the formulas need
+    them: the plan gives the sizes, micro-batches, the layers of each stage and chunk, the sequence length, the dtype,
     ``--sequence-parallel`` (SP with TP 1 is a no-op, as in training) and the recompute choice."""
 
     model: ModelConfig
@@ -69,35 +56,20 @@ class Workload:
                    device=device)
 
     def __post_init__(self) -> None:
+        """The plan (``ParallelPlan.derive``: every layout rule checked there) must be this model's: its activation
+        shape and its layer split."""
         num_layers, pp, v = self.model.num_layers, self.plan.dims.pp_size, self.plan.num_chunks
         if self.plan.seq_length < 1 or self.plan.hidden_size not in (0, self.model.hidden_size):
             raise ValueError(f"the plan's activation shape (--seq-length {self.plan.seq_length}, hidden "
                              f"{self.plan.hidden_size}) does not fit the model (hidden {self.model.hidden_size})")
-        given = ranges = self.plan.stage_layers
-        chunks = self.plan.chunk_layers
-        if v > 1 and not chunks:  # interleaved: the even split into p·v virtual stages, as training makes it
-            chunks = tuple(rank_chunk_layers(num_layers, pp, v))
+        ranges, chunks = self.plan.stage_layers, self.plan.chunk_layers
+        if len(ranges) != pp or not covers_each_layer_once(ranges, num_layers):
+            raise ValueError(f"{num_layers} layers do not split into {pp} pipeline stages as "
+                             f"{list(ranges) or 'the plan has none'}: derive the plan with the model's --num-layers "
+                             f"(ParallelPlan.derive)")
         if v > 1 and (len(chunks) != pp or any(len(c) != v for c in chunks)):
             raise ValueError(f"the plan's chunk_layers give {[len(c) for c in chunks]} chunks per stage: "
                              f"want {v} on each of the {pp} stages")
-        if v > 1 and not ranges:
-            ranges = chunked_stage_layers(chunks)
-        if not ranges and num_layers % pp == 0:  # even split by default
-            n = num_layers // pp
-            ranges = tuple(range(i * n, (i + 1) * n) for i in range(pp))
-        if len(ranges) != pp or not _covers_once(ranges, num_layers):
-            raise ValueError(f"{num_layers} layers do not split into {pp} pipeline stages as "
-                             f"{list(given) or 'evenly'}: give the plan's stage_layers, one range per stage, "
-                             f"covering every layer once")
-        if self.cp_size > 1 and self.seq_length % (2 * self.cp_size):
-            raise ValueError(f"--context-parallel-size {self.cp_size} cuts --seq-length {self.seq_length} into "
-                             f"{2 * self.cp_size} chunks: not divisible")
-        if self.sp and self.local_seq_length % self.tp_size:
-            raise ValueError(f"--sequence-parallel splits the {self.local_seq_length} tokens a rank holds "
-                             f"(--seq-length {self.seq_length} / --context-parallel-size {self.cp_size}) over "
-                             f"--tensor-model-parallel-size {self.tp_size}: not divisible")
-        # frozen: set once, here, so that the formulas read the split from the plan alone
-        object.__setattr__(self, "plan", replace(self.plan, stage_layers=tuple(ranges), chunk_layers=chunks))
 
     # The sizes as Topology names them: the formulas' t, p, d; and the plan's values the formulas read.
     tp_size = property(lambda self: self.plan.dims.tp_size)

@@ -7,7 +7,8 @@ file with our client state, ZeRO-2 partitions) and hands each to ``SafeCheckpoin
 copied to host memory, pinned on CUDA) and queues ``torch.save`` of it to the same path: the files are those of a
 sync save, byte for byte (tests/checkpoint/test_async_save.py compares them), so resume, conversion and the universal
 format read either. The commit (``latest``) is collective and runs on the training thread only
-(:class:`AsyncCheckpointer`, driven by the trainer at step boundaries); the writer thread issues no collective.
+(:class:`AsyncCheckpointer`, driven at step boundaries by the checkpoint manager, ``checkpoint/manager.py``); the
+writer thread issues no collective.
 
 Why neither background engine that DeepSpeed 0.19.8 ships, nor torch's:
 
@@ -44,7 +45,7 @@ import torch
 from codegeex_train.checkpoint.deepspeed_checkpoint import all_ranks, commit_save
 
 # Tests only: seconds each background file write sleeps first, so a test can act while a write is in flight
-# (pretrain.py reads it once, only under --async-save).
+# (``async_checkpointer`` reads it once, when the checkpoint manager is built under --async-save).
 TEST_SLOW_WRITE_ENV = "CODEGEEX_TRAIN_TEST_SLOW_ASYNC_WRITE"
 
 Failure = tuple[str, str]  # (what could not be written, the cause), as SafeCheckpointEngine records it
@@ -263,7 +264,7 @@ class AsyncCheckpointer:
     def in_flight(self) -> bool:
         return self.writer.pending is not None
 
-    def commit(self, *, wait: bool, after_commit=()) -> str | None:
+    def commit(self, *, wait: bool) -> str | None:
         """The tag committed now, or None (nothing in flight, or, without ``wait``, some rank still writing).
         Collective when a save is in flight (the same on every rank: saves start at the same iteration)."""
         pending = self.writer.pending
@@ -275,7 +276,7 @@ class AsyncCheckpointer:
             return None
         self.writer.take()
         self.last_write_seconds = pending.write_seconds
-        commit_save(pending.save_dir, pending.tag, pending.failure, after_commit)
+        commit_save(pending.save_dir, pending.tag, pending.failure)
         return pending.tag
 
 

@@ -24,7 +24,7 @@ from codegeex_train.checkpoint.files import (
 )
 from codegeex_train.checkpoint.sharding import merge_state_dicts, partition_spec
 from codegeex_train.config.model_config import ModelConfig
-from codegeex_train.pipeline.stages import (
+from codegeex_train.layout.stages import (
     chunked_stage_layers,
     rank_chunk_layers,
     stage_layer_ranges,

@@ -13,17 +13,20 @@ replaces it (``training/engine.py`` does, after ``deepspeed.initialize``) by :cl
   longer what stands between a file and a full unpickle: a file changed after it is refused just the same.
 * ``save`` / ``makedirs``: a failure (disk full, quota, permissions) is recorded, the half-written file removed,
   and nothing more is written on that rank, instead of raising out of the middle of DeepSpeed's save (the other
-  ranks would wait in its barriers). ``save_checkpoint`` then gathers every rank's outcome: when any failed, rank 0
+  ranks would wait in its barriers). ``commit_save`` then gathers every rank's outcome: when any failed, rank 0
   removes the partial tag directory, leaves ``latest`` as it was and prints one ``error:`` line naming the
   directory, the cause and the last complete checkpoint; every rank raises :class:`CheckpointSaveError`.
   Every file is fsynced before ``latest`` may name it. Under ``--async-save`` ``save`` hands the state dict to the
   ``background`` writer instead (``checkpoint/async_save.py``) and ``commit_save`` runs later, at a step boundary.
+
+A save is :func:`write_checkpoint` (every rank's files) then :func:`commit_save` (``latest``). Which writer, when,
+and what follows a commit (retention, the preemption marker) is the checkpoint manager's (``checkpoint/manager.py``),
+the one saving API the loop calls.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
 import errno
 import logging
 import os
@@ -250,20 +253,19 @@ def _clear_tag(save_dir: str, tag: str, run_id: str) -> None:
         raise CheckpointSaveError(message)
 
 
-def save_checkpoint(engine, save_dir: str, state: TrainState, config: ModelConfig, topology: Topology,
-                    tracker: RNGStatesTracker, *, tokenizer: dict | None = None, num_chunks: int = 1,
-                    resolved_config: str | None = None, background=None,
-                    after_commit: Sequence[Callable[[str, str], None]] = ()) -> str:
-    """``tokenizer``: the run's tokenizer settings (``files.tokenizer_settings``), recorded for the tools;
+def write_checkpoint(engine, save_dir: str, state: TrainState, config: ModelConfig, topology: Topology,
+                     tracker: RNGStatesTracker, *, tokenizer: dict | None = None, num_chunks: int = 1,
+                     resolved_config: str | None = None, background=None) -> tuple[str, tuple[str, str] | None]:
+    """Every rank: its files of the save at ``state.iteration``; ``latest`` is left as it is (:func:`commit_save`
+    moves it once every rank's files are on disk). Returns (the tag, this rank's failure or None).
+
+    ``tokenizer``: the run's tokenizer settings (``files.tokenizer_settings``), recorded for the tools;
     ``resolved_config``: the run's flags as a config file (``config_file.dump_resolved``), recorded as
     ``resolved_config`` in the metadata (``--config`` of it reproduces the run).
 
-    A failed write on any rank ends the save on every rank with :class:`CheckpointSaveError` (one ``error:``
-    line from rank 0, the partial tag directory removed, ``latest`` unchanged).
-
     ``background`` (--async-save: an idle ``async_save.BackgroundWriter``): every file is snapshotted to host memory
-    and queued, and this returns before anything is written; ``AsyncCheckpointer.commit`` commits it later
-    (``commit_save``). ``after_commit``: see ``commit_save``."""
+    and queued, and this returns before anything is written; the writer's seal carries this rank's failure (the
+    failure returned is None) and ``AsyncCheckpointer.commit`` commits the save later."""
     tag = checkpoint_tag(state.iteration)
     rng = rng_state(tracker)
     if topology.cp_size > 1:
@@ -291,16 +293,14 @@ def save_checkpoint(engine, save_dir: str, state: TrainState, config: ModelConfi
         safe.background = None
     if background is not None:
         background.seal(safe.take_failure())  # written behind training; committed at a later step boundary
-        return tag
-    commit_save(save_dir, tag, safe.take_failure(), after_commit)
-    return tag
+        return tag, None
+    return tag, safe.take_failure()
 
 
-def commit_save(save_dir: str, tag: str, failure: tuple[str, str] | None,
-                after_commit: Sequence[Callable[[str, str], None]] = ()) -> None:
+def commit_save(save_dir: str, tag: str, failure: tuple[str, str] | None) -> None:
     """Every rank, once its files of ``save_dir/tag`` are written and synced (``failure``: why not, on this rank):
-    ``latest`` names the tag, or every rank raises CheckpointSaveError (see ``_fail_save``). Then each
-    ``after_commit(save_dir, tag)`` runs on every rank (retention, the save-directory lock's bookkeeping)."""
+    ``latest`` names the tag, or every rank raises CheckpointSaveError (see ``_fail_save``). On return ``latest``
+    names ``tag`` on disk and every rank knows it (what the manager's retention then relies on)."""
     outcome = _agree(failure)  # every rank's files are written, or why not
     if outcome is not None:
         _fail_save(save_dir, tag, *outcome)
@@ -313,9 +313,6 @@ def commit_save(save_dir: str, tag: str, failure: tuple[str, str] | None,
     outcome = _agree(failure)  # also the barrier: `latest` names the tag before any rank goes on
     if outcome is not None:
         _fail_save(save_dir, tag, *outcome)
-    # --- after_commit: `latest` names `tag` on disk and every rank knows it. Hooks run here, in order. ---
-    for hook in after_commit:
-        hook(save_dir, tag)
 
 
 def _check_train_state(path, state: object) -> None:
@@ -377,7 +374,7 @@ def check_training_state(tag: str, files: TagFiles, states: dict[int, dict]) -> 
 
 
 def load_checkpoint(engine, load_dir: str, tag: str, tracker: RNGStatesTracker, *, load_optimizer_states: bool = True,
-                    load_rng: bool = True, cp_rank: int = 0, cp_size: int = 1) -> TrainState:
+                    load_rng: bool = True, topology: Topology | None = None) -> TrainState:
     """Resume model, optimizer, LR schedule, consumed samples and RNG states from a training checkpoint.
 
     Every file DeepSpeed reads goes through :class:`SafeCheckpointEngine` (weights-only). A file refused there
@@ -390,8 +387,8 @@ def load_checkpoint(engine, load_dir: str, tag: str, tracker: RNGStatesTracker, 
     model weights (``_restore_from_bit16_weights``: each DP rank copies its slice of the flat weight buffer), so the
     first step updates the loaded weights, not the initial ones; and the ZeRO files' DP size need not be this run's.
     ``load_rng=False`` (--no-load-rng): the random-number streams stay as this run seeded them. A checkpoint saved
-    at the same CP size gives each CP rank its own streams back; at another CP size (through the universal format or
-    not) CP rank 0's, as every rank of a run without CP has."""
+    at the same CP size gives each CP rank (of ``topology``) its own streams back; at another CP size (through the
+    universal format or not) CP rank 0's, as every rank of a run without CP has."""
     install_checkpoint_engine(engine)
     error = None
     try:  # DeepSpeed's ZeRO-1/2 load runs no collective after its reads: every rank reaches _agree below
@@ -410,5 +407,6 @@ def load_checkpoint(engine, load_dir: str, tag: str, tracker: RNGStatesTracker, 
     state = TrainState(**client[META_KEY]["train_state"])
     if load_rng:
         per_cp_rank = state.rng.get("context_parallel", [])
+        cp_rank, cp_size = (topology.cp_rank, topology.cp_size) if topology is not None else (0, 1)
         set_rng_state(per_cp_rank[cp_rank] if len(per_cp_rank) == cp_size > 1 else state.rng, tracker)
     return state

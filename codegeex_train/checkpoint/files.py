@@ -1,12 +1,12 @@
 """Model checkpoints in the layout DeepSpeed's ``save_checkpoint`` writes and ``--load`` reads:
 
     DIR/latest                                  text: the tag, e.g. iter_0000000 or global_step1000
-    DIR/<tag>/mp_rank_{MP:02d}_model_states.pt  MP = pp_rank * tp_size + tp_rank
+    DIR/<tag>/mp_rank_{MP:02d}_model_states.pt  MP: the model-parallel rank (layout.dims.model_parallel_rank)
         {"module": that rank's state_dict,
          "codegeex_train": {"model_config": asdict(config), "tp_size", "pp_size", "iteration",
                             "num_chunks": v, the model chunks per rank of interleaved 1F1B (optional, 1),
                             "tokenizer": the five tokenizer flags, file paths absolute, the tokenizer's
-                                         fingerprint and vocab_size (data/tokenizer_record.py), and the four
+                                         fingerprint and vocab_size (tokenization/record.py), and the four
                                          FIM flags of a run that trains FIM (optional),
                             "resolved_config": the run's flags as a config file, text (training checkpoints;
                                                config/config_file.py)}}
@@ -46,9 +46,10 @@ from codegeex_train.checkpoint.sharding import merge_state_dicts, partition_spec
 from codegeex_train.config.model_config import ModelConfig
 from codegeex_train.config.redaction import redact_secrets
 from codegeex_train.config.arguments import ConfigError
-from codegeex_train.data.code_tokens import trained_order
-from codegeex_train.data.tokenizer import Tokenizer
-from codegeex_train.data.tokenizer_record import (  # (TOKENIZER_FIELDS, ...: imported from here by the tools)
+from codegeex_train.layout.dims import model_parallel_rank
+from codegeex_train.tokenization.code_tokens import trained_order
+from codegeex_train.tokenization.tokenizer import Tokenizer
+from codegeex_train.tokenization.record import (  # (TOKENIZER_FIELDS, ...: imported from here by the tools)
     TOKENIZER_FIELDS,
     TOKENIZER_FILE_FLAGS,
     check_record,
@@ -82,7 +83,7 @@ def checkpoint_tag(iteration: int) -> str:
 
 
 def shard_file(directory: str | os.PathLike, tag: str, tp_rank: int, tp_size: int, pp_rank: int = 0) -> Path:
-    return Path(directory) / tag / f"mp_rank_{pp_rank * tp_size + tp_rank:02d}_model_states.pt"
+    return Path(directory) / tag / f"mp_rank_{model_parallel_rank(tp_rank, pp_rank, tp_size):02d}_model_states.pt"
 
 
 def write_latest(directory: str | os.PathLike, tag: str) -> None:
@@ -145,7 +146,7 @@ def tokenizer_settings(flags, tokenizer: Tokenizer | None = None) -> dict:
     find them, and any credential in them redacted (``config.redaction``: a checkpoint is shared more widely than
     the job; a tool then asks for the flag instead); from a run that trains FIM (--fim-rate above 0), the FIM
     fields (``FIM_FIELDS``); and with the run's ``tokenizer``, its fingerprint and vocab_size
-    (``data/tokenizer_record.py``), which a resume compares (``check_same_tokenizer``)."""
+    (``tokenization/record.py``), which a resume compares (``check_same_tokenizer``)."""
     settings = {name: getattr(flags, name) for name in TOKENIZER_FIELDS}
     for name in TOKENIZER_FILE_FLAGS:
         if settings[name] is not None:

@@ -93,8 +93,9 @@ from codegeex_train.config.lr_schedule import (
     schedule_differences,
 )
 from codegeex_train.config.model_config import ModelConfig
-from codegeex_train.config.plan import ParallelPlan
-from codegeex_train.distributed.topology import ParallelDims, Topology
+from codegeex_train.layout.plan import ParallelPlan
+from codegeex_train.distributed.topology import Topology
+from codegeex_train.layout.dims import ParallelDims, model_parallel_rank
 from codegeex_train.pipeline import sync_shared_embedding
 from codegeex_train.tensor_parallel import RNGStatesTracker
 
@@ -218,7 +219,7 @@ def _run_stage_layers(config: ModelConfig, pp_size: int, stage_layers, states: d
         return [list(layers) for layers in stage_layers]
     if pp_size == 1:
         return [range(config.num_layers)]
-    return [sorted(_layers(states[pp_rank * tp_size]["module"])) for pp_rank in range(pp_size)]
+    return [sorted(_layers(states[model_parallel_rank(0, pp_rank, tp_size)]["module"])) for pp_rank in range(pp_size)]
 
 
 def preflight_resume(load_dir: str, config: ModelConfig, dims: ParallelDims, *, finetune: bool = False,
@@ -271,7 +272,7 @@ def preflight_resume(load_dir: str, config: ModelConfig, dims: ParallelDims, *, 
     if full and load_optim:
         saved["DP"] = saved_dp
     # ZeRO partitions over DeepSpeed's data-parallel group, DP x CP
-    ours = {"TP": dims.tp_size, "PP": dims.pp_size, "DP": dims.dp_cp_size,
+    ours = {"TP": dims.tp_size, "PP": dims.pp_size, "DP": dims.data_shards,
             "virtual pipeline chunks per rank": num_chunks}
     diff = [k for k in saved if saved[k] != ours[k]]
     if diff:
@@ -410,7 +411,7 @@ def restore(resume: Resume | None, model: torch.nn.Module, topology: Topology, t
                                               stage_layers=stage_layers, load_optimizer_states=resume.load_optim)
     elif kind is ResumeKind.TRAINING:
         state = load_checkpoint(engine, resume.load_dir, resume.tag, tracker, load_optimizer_states=resume.load_optim,
-                                load_rng=resume.load_rng, cp_rank=topology.cp_rank, cp_size=topology.cp_size)
+                                load_rng=resume.load_rng, topology=topology)
     else:
         state = TrainState()
     sync_shared_embedding(engine.module, topology)

@@ -2,7 +2,8 @@
 
 ``--keep-last-n-checkpoints N`` keeps the N newest complete tags; ``--keep-every-n-iterations M`` also keeps, for
 good, every tag whose iteration is a multiple of M. ``apply_retention`` runs on global rank 0 after each save is
-committed (``latest`` names the new tag) and removes the others, under three rules:
+committed (``latest`` names the new tag; the checkpoint manager, ``manager.py``, calls it) and removes the others,
+under three rules:
 
 * Only this run's tags (``run_dir.tag_owner``: holding nothing but the files a save writes, and recording this run's
   id and the iteration the tag's name says), only tags at or before the one ``latest`` names, only complete ones
@@ -186,17 +187,6 @@ def apply_retention(save_dir: str, keep_last: int | None, keep_every: int | None
         logger.info(f"retention: removed {', '.join(removed)} from {save_dir} (keeping the last {keep_last}"
                     f"{every})")
     return removed
-
-
-def retention_hooks(keep_last: int | None, keep_every: int | None, rank: int,
-                    run_id: str) -> tuple[Callable[[str, str], None], ...]:
-    """The ``after_commit`` hooks (``deepspeed_checkpoint.commit_save``: ``(save_dir, tag)``, every rank, once
-    ``latest`` names the tag) that apply retention to run ``run_id``'s tags: one on global rank 0 under
-    --keep-last-n-checkpoints, else none."""
-    if not keep_last or rank != 0:
-        return ()
-    foreign: set[str] = set()
-    return (lambda save_dir, tag: apply_retention(save_dir, keep_last, keep_every, run_id=run_id, foreign=foreign),)
 
 
 def _hold_latest(directory: str) -> tuple[int | None, str | None]:

@@ -35,9 +35,11 @@ from codegeex_train.checkpoint.save_lock import LOCK_NAME, hold_save_dir
 logger = logging.getLogger(__name__)
 
 ARCHIVE_DIR = "previous-runs"
+# The tag of the checkpoint a stop by signal saved (the run's last), written after `latest` (``write_preempted_marker``).
+PREEMPTED_MARKER = "preempted"
 # What a run writes into --save beside its tags and `latest` (moved with them by --start-over); logs/, profiles,
 # TensorBoard and wandb directories stay where they are.
-RUN_FILES = ("config.yaml", "metrics.jsonl", "preempted")
+RUN_FILES = ("config.yaml", "metrics.jsonl", PREEMPTED_MARKER)
 # DeepSpeed's copy of its recovery script, written into every tag beside the model and ZeRO files.
 _SCRIPT = "zero_to_fp32.py"
 
@@ -172,6 +174,20 @@ def new_checkpoint_dir(directory: str | os.PathLike, flag: str) -> Iterator[None
         raise
     finally:
         lock.release()
+
+
+def write_preempted_marker(save_dir: str | os.PathLike, tag: str) -> None:
+    """``<save_dir>/preempted`` := ``tag``, atomically (after ``latest`` names ``tag``): the launchers report a job
+    stopped by a signal as failed, so a wrapper reads this instead (docs/clusters-preemption.md). Global rank 0."""
+    tmp = Path(save_dir) / f"{PREEMPTED_MARKER}.tmp"
+    tmp.write_text(tag)
+    os.replace(tmp, Path(save_dir) / PREEMPTED_MARKER)
+
+
+def clear_preempted_marker(save_dir: str | os.PathLike) -> None:
+    """A run that goes on from a stop by signal removes its marker: it names the current ``latest`` only while the run
+    stands at that stop. Global rank 0."""
+    Path(save_dir, PREEMPTED_MARKER).unlink(missing_ok=True)
 
 
 def _readable_latest(directory) -> str:

@@ -123,7 +123,7 @@ def split_pipeline_stages(full_sd: dict[str, torch.Tensor], config: ModelConfig,
 
 def split_model_parallel(full_sd: dict[str, torch.Tensor], config: ModelConfig, tp_size: int,
                          stage_layers: list[Sequence[int]]) -> list[dict[str, torch.Tensor]]:
-    """The TP=1 state dict -> one state dict per model-parallel rank, in checkpoint (MP) order:
-    ``pp_rank * tp_size + tp_rank``, each a copy."""
+    """The TP=1 state dict -> one state dict per model-parallel rank, in checkpoint (MP) order
+    (``layout.dims.model_parallel_rank``: PP outer, TP inner), each a copy."""
     return [shard for stage in split_pipeline_stages(full_sd, config, stage_layers)
             for shard in split_state_dict(stage, config, tp_size)]

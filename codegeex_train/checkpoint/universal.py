@@ -49,6 +49,7 @@ from codegeex_train.checkpoint.safe_load import check_tag_dir, checkpoint_files,
 from codegeex_train.checkpoint.sharding import merge_state_dicts, split_model_parallel
 from codegeex_train.checkpoint.train_state import TrainState
 from codegeex_train.config.model_config import ModelConfig
+from codegeex_train.layout.dims import model_parallel_rank
 
 UNIVERSAL_META = "universal.json"
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
@@ -133,7 +134,7 @@ def to_universal(load_dir: str | os.PathLike, save_dir: str | os.PathLike) -> st
     for pp_rank in range(pp):
         shards = []
         for tp_rank in range(tp):
-            states, step = _mp_rank_states(tag_dir, pp_rank * tp + tp_rank)
+            states, step = _mp_rank_states(tag_dir, model_parallel_rank(tp_rank, pp_rank, tp))
             shards.append(states)
             steps.add(step)
         for state in STATES:
@@ -285,7 +286,7 @@ def _stage_shard(load_dir, tag, state: str, config: ModelConfig, tp_size: int, t
     from safetensors.torch import load_file
 
     full = load_file(str(Path(load_dir) / tag / f"{state}.safetensors"))
-    return split_model_parallel(full, config, tp_size, stage_layers)[pp_rank * tp_size + tp_rank]
+    return split_model_parallel(full, config, tp_size, stage_layers)[model_parallel_rank(tp_rank, pp_rank, tp_size)]
 
 
 def load_universal_weights(model: torch.nn.Module, load_dir, tag: str, *, pp_rank: int,

@@ -1,7 +1,7 @@
 """The pretraining command line: typed config sections, Megatron's flag names, validated once.
 
 ``parse_args`` turns argv into ``Args`` (one dataclass per concern); ``validate`` checks every
-cross-section rule in a fixed order and derives, once, the run's ``ParallelPlan`` (config/plan.py), before any
+cross-section rule in a fixed order and derives, once, the run's ``ParallelPlan`` (layout/plan.py), before any
 process group exists. ``Args`` stay as parsed: the tokenizer's vocabulary goes into a copy of the model config
 (``ModelConfig.with_vocab``) that ``validate`` checks.
 """
@@ -18,11 +18,12 @@ from dataclasses import dataclass
 from codegeex_train.config import config_file, megatron_flags
 from codegeex_train.config.lr_schedule import OVERRIDE_FLAG, USE_CHECKPOINT_FLAG, SchedulePolicy
 from codegeex_train.config.model_config import ModelConfig, ModelConfigError
-from codegeex_train.config.recompute import GRANULARITIES as RECOMPUTE_GRANULARITIES
-from codegeex_train.config.recompute import METHODS as RECOMPUTE_METHODS
-from codegeex_train.config.recompute import MODULES as RECOMPUTE_MODULES
-from codegeex_train.config.recompute import Recompute
+from codegeex_train.layout.recompute import GRANULARITIES as RECOMPUTE_GRANULARITIES
+from codegeex_train.layout.recompute import METHODS as RECOMPUTE_METHODS
+from codegeex_train.layout.recompute import MODULES as RECOMPUTE_MODULES
+from codegeex_train.layout.recompute import Recompute
 from codegeex_train.config.redaction import redact_secrets
+from codegeex_train.config.tokenizer_flags import tokenizer_field
 from codegeex_train.config.options import (
     UNIT_OPEN,
     FlagParser,
@@ -35,17 +36,11 @@ from codegeex_train.config.options import (
     option,
     out_of_range,
 )
-from codegeex_train.config.plan import ParallelPlan
+from codegeex_train.layout.plan import ParallelPlan
 from codegeex_train.distributed.log import LEVELS as LOG_LEVELS
 from codegeex_train.distributed.log import level_name
-from codegeex_train.distributed.topology import ParallelConfigError, ParallelDims
-from codegeex_train.pipeline.stages import (
-    PipelineSplitError,
-    chunked_stage_layers,
-    rank_chunk_layers,
-    stage_layer_ranges,
-    virtual_pipeline_size,
-)
+from codegeex_train.layout.dims import ParallelDims
+from codegeex_train.layout.errors import LayoutError
 
 
 HUMANEVAL_LANGUAGES = ("python", "cpp", "java", "js", "go")  # evaluation/languages.py's, checked by a test
@@ -269,9 +264,6 @@ class OptimConfig:
         return SchedulePolicy.USE_CHECKPOINT if self.use_checkpoint_opt_param_scheduler else SchedulePolicy.CHECK
 
 
-TOKENIZER_TYPES = ("HFTokenizer", "GPT2BPETokenizer", "SentencePieceTokenizer", "CodeGeeXTokenizer")  # data.tokenizer's
-
-
 @dataclass
 class DataConfig:
     """Data: indexed datasets, splits, tokenizer."""
@@ -281,18 +273,12 @@ class DataConfig:
     valid_data_path: list[str] | None = option(None, "separate validation data")
     test_data_path: list[str] | None = option(None, "separate test data")
     split: str = option("969,30,1", "train,valid,test proportions of the documents of --data-path")
-    tokenizer_type: str | None = option(None, "HFTokenizer, GPT2BPETokenizer, SentencePieceTokenizer or "
-                                        "CodeGeeXTokenizer (CodeGeeX-13B's: GPT-2 + 143 extra tokens = 50400 ids, "
-                                        "whitespace encoding built in; pad with --make-vocab-size-divisible-by "
-                                        "52224) (default: the shipped tokenizer trained on the Python stdlib)",
-                                        choices=TOKENIZER_TYPES)
-    tokenizer_model: str | None = option(None, "tokenizer.json (HFTokenizer), .model (SentencePiece), or a Hugging "
-                                         "Face tokenizer directory holding one (CodeGeeXTokenizer: e.g. a local "
-                                         "copy of EleutherAI/gpt-j-6B's tokenizer files)")
-    vocab_file: str | None = option(None, "GPT-2 vocab.json (GPT2BPETokenizer, CodeGeeXTokenizer)")
-    merge_file: str | None = option(None, "GPT-2 merges.txt (GPT2BPETokenizer, CodeGeeXTokenizer)")
-    whitespace_encoding: bool = option(False, "CodeGeeX's whitespace tokens for runs of spaces (always on with "
-                                       "CodeGeeXTokenizer)")
+    # The tokenizer flags, declared in tokenizer_flags.py (the tools generate theirs from there too).
+    tokenizer_type: str | None = tokenizer_field("tokenizer_type")
+    tokenizer_model: str | None = tokenizer_field("tokenizer_model")
+    vocab_file: str | None = tokenizer_field("vocab_file")
+    merge_file: str | None = tokenizer_field("merge_file")
+    whitespace_encoding: bool = tokenizer_field("whitespace_encoding")
     num_workers: int = option(2, "DataLoader worker processes (0: load in the training process)",
                               bounds=at_least(0))
     # Document masking (Megatron's flags): packed samples hold several EOD-separated documents.
@@ -527,17 +513,9 @@ def check_save_dir(save: str) -> None:
 
 
 def check_context_parallel(args: Args, dims: ParallelDims) -> None:
-    """The rules CP > 1 adds: the sequence splits into 2 x CP equal chunks (each a whole number of SP pieces), and
-    the features that wait for CP say so."""
+    """The features that wait for CP > 1 say so (how CP splits the sequence is the plan's rule:
+    ``ParallelPlan.derive``)."""
     t, d, cp = args.train, args.data, dims.cp_size
-    if t.seq_length % (2 * cp):
-        raise ConfigError(f"--context-parallel-size {cp} cuts --seq-length {t.seq_length} into {2 * cp} equal chunks "
-                          f"(two per CP rank, for equal causal work): use a sequence length divisible by {2 * cp}")
-    local = t.seq_length // cp
-    if args.parallel.sequence_parallel and dims.tp_size > 1 and local % dims.tp_size:
-        raise ConfigError(f"--sequence-parallel splits each CP rank's {local} tokens (--seq-length {t.seq_length} / "
-                          f"--context-parallel-size {cp}) over --tensor-model-parallel-size {dims.tp_size}: use a "
-                          f"sequence length divisible by {math.lcm(2 * cp, cp * dims.tp_size)}")
     if d.reset_attention_mask:
         # The ring's blocks would each need their slice of the block-causal mask, and a document crossing a chunk
         # edge would make the balanced blocks unequal again: it waits until a varlen ring attention is worth it.
@@ -557,42 +535,23 @@ def validate(args: Args, world_size: int, model: ModelConfig | None = None) -> P
     t, o, d = args.train, args.optim, args.data
     model = args.model if model is None else model
     check_ranges(args)
-    try:
-        dims = ParallelDims(world_size, args.parallel.tensor_model_parallel_size,
-                            args.parallel.pipeline_model_parallel_size, args.parallel.context_parallel_size)
-    except ParallelConfigError as e:
-        raise ConfigError(str(e)) from None
-    per_step = t.micro_batch_size * dims.dp_size
-    global_batch = t.global_batch_size or per_step * (t.num_microbatches or 1)
-    if global_batch % per_step:
-        raise ConfigError(
-            f"--global-batch-size {global_batch} is not divisible by --micro-batch-size {t.micro_batch_size} x "
-            f"data-parallel size {dims.dp_size} = {per_step}: use a multiple of {per_step}")
-    num_microbatches = global_batch // per_step
-    if t.num_microbatches is not None and t.num_microbatches != num_microbatches:
-        raise ConfigError(
-            f"--num-microbatches {t.num_microbatches} disagrees with --global-batch-size {global_batch} / "
-            f"(--micro-batch-size {t.micro_batch_size} x DP {dims.dp_size}) = {num_microbatches}")
+    recompute = recompute_from_args(args)  # the one place the --recompute-* flags are read; raises ConfigError
     p = args.parallel
     try:
-        stage_layers = tuple(stage_layer_ranges(model.num_layers, dims.pp_size,
-                                                p.decoder_first_pipeline_num_layers,
-                                                p.decoder_last_pipeline_num_layers))
-        num_chunks = virtual_pipeline_size(model.num_layers, dims.pp_size,
-                                           p.num_layers_per_virtual_pipeline_stage,
-                                           p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers)
-    except PipelineSplitError as e:
+        plan = ParallelPlan.derive(
+            ParallelDims(world_size, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                         p.context_parallel_size),
+            micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size,
+            num_microbatches=t.num_microbatches, num_layers=model.num_layers,
+            decoder_first_pipeline_num_layers=p.decoder_first_pipeline_num_layers,
+            decoder_last_pipeline_num_layers=p.decoder_last_pipeline_num_layers,
+            num_layers_per_virtual_pipeline_stage=p.num_layers_per_virtual_pipeline_stage,
+            num_attention_heads=model.num_attention_heads, sequence_parallel=p.sequence_parallel,
+            recompute=recompute, seq_length=t.seq_length, hidden_size=model.hidden_size,
+            dtype="bf16" if t.bf16 else "fp16" if t.fp16 else "fp32")
+    except LayoutError as e:
         raise ConfigError(str(e)) from None
-    chunk_layers = ()
-    if num_chunks > 1:
-        if num_microbatches % dims.pp_size:
-            raise ConfigError(
-                f"interleaved 1F1B (--num-layers-per-virtual-pipeline-stage) needs the micro-batches per step "
-                f"({num_microbatches} = --global-batch-size {global_batch} / (--micro-batch-size "
-                f"{t.micro_batch_size} x DP {dims.dp_size})) divisible by --pipeline-model-parallel-size "
-                f"{dims.pp_size}: use a global batch that gives a multiple of {dims.pp_size}")
-        chunk_layers = tuple(rank_chunk_layers(model.num_layers, dims.pp_size, num_chunks))
-        stage_layers = chunked_stage_layers(chunk_layers)
+    dims, num_microbatches = plan.dims, plan.num_microbatches
     if dims.pp_size > 1 and t.zero_stage == 0:
         # Without ZeRO, DeepSpeed's own clipping does not skip the tied copy (measured: 3e-5 off by step 4).
         raise ConfigError(f"--pipeline-model-parallel-size {dims.pp_size} needs --zero-stage 1 or 2 (the stages' "
@@ -608,11 +567,8 @@ def validate(args: Args, world_size: int, model: ModelConfig | None = None) -> P
     try:
         model.check_sequence_length(t.seq_length)
         model.check_rotary()
-        if model.vocab_size:
+        if model.vocab_size:  # the rest waits for the tokenizer's vocab (the heads per TP rank are the plan's)
             model.validate(dims.tp_size)
-        elif model.num_attention_heads % dims.tp_size:  # the rest waits for the tokenizer's vocab
-            raise ModelConfigError(f"--num-attention-heads {model.num_attention_heads} is not divisible by "
-                                   f"--tensor-model-parallel-size {dims.tp_size}")
     except ModelConfigError as e:
         raise ConfigError(str(e)) from None
     if not (d.data_path or d.train_data_path):
@@ -626,14 +582,9 @@ def validate(args: Args, world_size: int, model: ModelConfig | None = None) -> P
     if o.override_opt_param_scheduler and o.use_checkpoint_opt_param_scheduler:
         raise ConfigError(f"{OVERRIDE_FLAG} (the flags' LR schedule) and {USE_CHECKPOINT_FLAG} (the checkpoint's) "
                           f"are exclusive: choose one")
-    recompute = recompute_from_args(args)  # the one place the --recompute-* flags are read; raises ConfigError
-    if args.parallel.sequence_parallel:
-        if dims.tp_size == 1:
-            warnings.warn("--sequence-parallel with --tensor-model-parallel-size 1 does nothing (no TP group to split "
-                          "the sequence over)", stacklevel=2)
-        elif t.seq_length % dims.tp_size:
-            raise ConfigError(f"--sequence-parallel splits --seq-length {t.seq_length} over --tensor-model-parallel-"
-                              f"size {dims.tp_size}: use a sequence length divisible by {dims.tp_size}")
+    if plan.sequence_parallel and not plan.sp:
+        warnings.warn("--sequence-parallel with --tensor-model-parallel-size 1 does nothing (no TP group to split "
+                      "the sequence over)", stacklevel=2)
     if dims.cp_size > 1:
         check_context_parallel(args, dims)
     if t.eval_humaneval_interval is not None:
@@ -663,7 +614,4 @@ def validate(args: Args, world_size: int, model: ModelConfig | None = None) -> P
         raise ConfigError(f"--load {t.load}: no such directory")
     if t.save is not None:
         check_save_dir(t.save)
-    return ParallelPlan(dims, t.micro_batch_size, num_microbatches, stage_layers, num_chunks, chunk_layers,
-                        sequence_parallel=args.parallel.sequence_parallel, recompute=recompute,
-                        seq_length=t.seq_length, hidden_size=model.hidden_size,
-                        dtype="bf16" if t.bf16 else "fp16" if t.fp16 else "fp32")
+    return plan

@@ -43,7 +43,7 @@ import yaml
 from codegeex_train.config import strict_yaml
 from codegeex_train.config.options import flag_name
 from codegeex_train.config.redaction import REDACTED, redact_secrets
-from codegeex_train.data.bounded_read import FileReadError, read_text
+from codegeex_train.bounded_read import FileReadError, read_text
 
 LAUNCH_SECTION, PLANNER_SECTION = "launch", "planner"
 LAUNCH_KEYS = ("recompute", "sequence_parallel_with_tp")

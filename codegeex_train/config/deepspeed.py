@@ -11,8 +11,8 @@ import json
 from typing import Any
 
 from codegeex_train.config.arguments import Args, ConfigError
-from codegeex_train.config.plan import ParallelPlan
-from codegeex_train.data.bounded_read import FileReadError, read_text
+from codegeex_train.layout.plan import ParallelPlan
+from codegeex_train.bounded_read import FileReadError, read_text
 
 _MISSING = object()
 MAX_USER_CONFIG_BYTES = 1 << 20  # a DeepSpeed config is a few KiB
@@ -23,7 +23,7 @@ def _flag_values(args: Args, plan: ParallelPlan) -> dict[tuple[str, ...], tuple[
     values = {
         # DeepSpeed's data-parallel world is our mpu's DP x CP group (each CP rank holds a share of every micro-batch
         # and reduces gradients with the others), and it checks train = micro x accumulation x that world.
-        ("train_batch_size",): (plan.global_batch_size * plan.cp_size, "--global-batch-size"),
+        ("train_batch_size",): (plan.deepspeed_train_batch_size, "--global-batch-size"),
         ("train_micro_batch_size_per_gpu",): (plan.micro_batch_size, "--micro-batch-size"),
         ("gradient_accumulation_steps",): (plan.num_microbatches, "--num-microbatches"),
         # Set explicitly: DeepSpeed's default changed across versions, and CodeGeeX's own script never clipped.

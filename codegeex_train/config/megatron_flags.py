@@ -30,7 +30,7 @@ def _refused(flags: str, ours: str, note: str) -> dict[str, ForeignFlag]:
 
 
 # --tokenizer-type values, shared by both commands. Ours: HFTokenizer GPT2BPETokenizer SentencePieceTokenizer
-# CodeGeeXTokenizer (data/tokenizer.py).
+# CodeGeeXTokenizer (tokenization/tokenizer.py).
 TOKENIZER_TYPES: dict[str, ForeignFlag] = {
     "--tokenizer-type HuggingFaceTokenizer": ForeignFlag(
         ALIAS, "--tokenizer-type HFTokenizer", "--tokenizer-model is a tokenizer.json file, not a hub name "

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, replace
 
 from codegeex_train.config.options import UNIT_OPEN, Range, above, at_least, option, out_of_range
+from codegeex_train.layout.errors import LayoutError
+from codegeex_train.layout.plan import heads_per_tp_rank
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "fast_gelu")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
@@ -97,9 +99,10 @@ class ModelConfig:
         if self.hidden_size % self.num_attention_heads:
             raise ModelConfigError(f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
                                    f"{self.num_attention_heads}")
-        if self.num_attention_heads % tp_size:
-            raise ModelConfigError(f"--num-attention-heads {self.num_attention_heads} is not divisible by "
-                                   f"--tensor-model-parallel-size {tp_size}: TP splits attention by heads")
+        try:
+            heads_per_tp_rank(self.num_attention_heads, tp_size)
+        except LayoutError as e:
+            raise ModelConfigError(str(e)) from None
         if self.ffn_hidden_size % tp_size:
             raise ModelConfigError(f"--ffn-hidden-size {self.ffn_hidden_size} is not divisible by "
                                    f"--tensor-model-parallel-size {tp_size}")

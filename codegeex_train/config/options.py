@@ -6,6 +6,8 @@ argparse flag; the first spelling defaults to Megatron's ``--field-name``. ``boo
 Every flag's help shows its default (zeros and False included) and its choices. A numeric field declares its allowed
 values with ``bounds=`` (a ``Range``: ``at_least(1)``, ``above(0)``, ``Range(0, 1, hi_open=True)``); ``out_of_range``
 checks every field of a section against them (and refuses NaN and infinities), so the rules live beside the fields.
+A tool that takes some of those flags generates them from the same fields (``add_config_flags``, with its own
+default where its meaning differs), so a flag is declared once whatever the commands that take it.
 
 ``FlagParser`` is argparse with errors a person reads: one ``error:`` line (no usage dump) that names the flag and,
 for a misspelt one, the closest known flag. ``add_foreign_flags`` teaches it another program's spellings
@@ -118,32 +120,67 @@ def _base_type(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
+def _field_default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return None if f.default_factory is dataclasses.MISSING else f.default_factory()
+
+
+def _add_field(group, f: dataclasses.Field, hint: Any, dest: str, default: Any, shown: str | None = None) -> None:
+    """Field ``f`` as one flag of ``group``: its spellings, type, choices and help (with its default: ``shown``, else
+    the value), into ``dest``."""
+    tp, _ = _base_type(hint)
+    kw: dict[str, Any] = {"dest": dest, "help": f.metadata["help"]}
+    if tp is bool:
+        # False by default: a Megatron-style switch; True by default: --x / --no-x.
+        kw.update(action="store_true" if not _field_default(f) else argparse.BooleanOptionalAction, default=default)
+    elif typing.get_origin(tp) in (list, tuple):
+        kw.update(nargs="+", type=typing.get_args(tp)[0], default=default, metavar=f.name.upper())
+    else:
+        kw.update(type=tp, default=default, choices=f.metadata.get("choices"))
+        if not kw["choices"]:  # with choices, argparse shows them ({a,b,c}) where the metavar would be
+            kw["metavar"] = f.name.upper()
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            kw["required"] = True
+    if kw["help"] and "(default" not in kw["help"]:  # every default, 0 / False / None included
+        kw["help"] += f" (default: {'%(default)s' if shown is None else shown})"
+    action = group.add_argument(*_flags(f), **kw)
+    if action.help and action.help.count(" (default") > 1:  # an argparse that appends it itself (--x/--no-x)
+        action.help = action.help[:action.help.rindex(" (default")]
+
+
 def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, title: str | None = None) -> None:
     group = parser.add_argument_group(title or cls.__name__, (cls.__doc__ or "").strip().splitlines()[0])
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        if not f.init or "help" not in f.metadata:
-            continue
-        tp, _ = _base_type(hints[f.name])
-        default = None if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING else (
-            f.default if f.default is not dataclasses.MISSING else f.default_factory())
-        kw: dict[str, Any] = {"dest": f"{cls.__name__}.{f.name}", "help": f.metadata["help"]}
-        if tp is bool:
-            # False by default: a Megatron-style switch; True by default: --x / --no-x.
-            kw.update(action="store_true" if not default else argparse.BooleanOptionalAction, default=default)
-        elif typing.get_origin(tp) in (list, tuple):
-            kw.update(nargs="+", type=typing.get_args(tp)[0], default=default, metavar=f.name.upper())
-        else:
-            kw.update(type=tp, default=default, choices=f.metadata.get("choices"))
-            if not kw["choices"]:  # with choices, argparse shows them ({a,b,c}) where the metavar would be
-                kw["metavar"] = f.name.upper()
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                kw["required"] = True
-        if kw["help"] and "(default" not in kw["help"]:  # every default, 0 / False / None included
-            kw["help"] += " (default: %(default)s)"
-        action = group.add_argument(*_flags(f), **kw)
-        if action.help and action.help.count(" (default") > 1:  # an argparse that appends it itself (--x/--no-x)
-            action.help = action.help[:action.help.rindex(" (default")]
+        if f.init and "help" in f.metadata:
+            _add_field(group, f, hints[f.name], f"{cls.__name__}.{f.name}", _field_default(f))
+
+
+class Default(typing.NamedTuple):
+    """A tool's own default for a flag it shares (``add_config_flags``; ``value`` left out: the field's), and how
+    --help says it when the value alone would not (None meaning "the checkpoint's", or "greedy for one sample, else
+    0.8")."""
+
+    value: Any = dataclasses.MISSING
+    shown: str | None = None
+
+
+def add_config_flags(group, cls: type, names: tuple[str, ...] | None = None,
+                     defaults: dict[str, Any] | None = None) -> None:
+    """The fields ``names`` (default: all) of ``cls`` (a dataclass whose fields are ``option``s) as flags of a tool's
+    parser (or argument ``group``), declared once for every command that takes them: the spellings, type, choices
+    and help, into ``args.<field>``. ``defaults`` gives a field the tool's own default where its meaning differs
+    (None: "what the checkpoint records"; a ``Default`` when --help should say it in words)."""
+    hints, defaults = typing.get_type_hints(cls), defaults or {}
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for name in names or tuple(fields):
+        f = fields[name]
+        default = defaults.get(name, Default())
+        if not isinstance(default, Default):
+            default = Default(default)
+        value = _field_default(f) if default.value is dataclasses.MISSING else default.value
+        _add_field(group, f, hints[name], name, value, default.shown)
 
 
 def dataclass_from_args(cls: type, args: argparse.Namespace) -> Any:

@@ -17,7 +17,7 @@ reads a plain scalar as the command line reads the same word (YAML 1.2's core sc
 ``words=True`` keeps a number's text (``1.0e-05`` and ``.inf`` stay those words) so the command line receives
 exactly the word the file holds; ``False`` gives ints and floats (the planner's reading). Every error is a
 ``StrictYamlError`` whose message names the key (``model.num_layers``, ``data.data_path[1]``) or the line. The file
-itself is read by config_file.load (regular, bounded, UTF-8: data/bounded_read.py).
+itself is read by config_file.load (regular, bounded, UTF-8: bounded_read.py).
 """
 
 from __future__ import annotations

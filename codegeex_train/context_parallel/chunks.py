@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import torch
 
+from codegeex_train.layout.plan import context_parallel_chunk_length
+
 
 def check_context_parallel_length(seq_len: int, cp_size: int) -> int:
-    """The chunk length c = s / 2N, or a one-line error naming the flags."""
+    """The chunk length c = s / 2N, or a one-line error naming the flags (the plan's rule)."""
     if cp_size < 1:
         raise ValueError(f"--context-parallel-size={cp_size}: must be >= 1")
-    if seq_len % (2 * cp_size):
-        raise ValueError(f"sequence length {seq_len} is not divisible by 2 x --context-parallel-size = "
-                         f"{2 * cp_size}: change --seq-length or --context-parallel-size")
-    return seq_len // (2 * cp_size)
+    return context_parallel_chunk_length(seq_len, cp_size)
 
 
 def context_parallel_indices(seq_len: int, cp_rank: int, cp_size: int) -> torch.Tensor:

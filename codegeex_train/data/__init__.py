@@ -1,6 +1,6 @@
-"""Data: tokenizers, corpus readers, Megatron's indexed datasets (.bin/.idx), packed GPT samples, blends and
-samplers. ``load_tokenizer`` (tokenizer.py) builds the tokenizer the data flags name. ``bounded_read.py`` reads any
-file a user names (every package's: it is the lowest layer they share) as a regular file, never past a bound.
+"""What training reads: Megatron's indexed datasets (.bin/.idx), packed GPT samples, blends, samplers,
+fill-in-the-middle on the stored tokens, the token-id range check. Datasets are built by
+``codegeex_train.preprocessing``; tokenizers live in ``codegeex_train.tokenization``.
 
-May import nothing else of codegeex_train.
+May import ``tokenization`` and ``bounded_read``.
 """

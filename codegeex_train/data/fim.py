@@ -50,8 +50,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from codegeex_train.data.code_tokens import SENTINELS, CodeTokens, _token_to_id, code_tokens, fim_layout
-from codegeex_train.data.tokenizer import Tokenizer
+from codegeex_train.tokenization.code_tokens import SENTINELS, CodeTokens, _token_to_id, fim_layout, held_code_tokens
+from codegeex_train.tokenization.tokenizer import Tokenizer
 
 __all__ = ["FIM", "FIMDataset", "fim_from_flags", "sample_rng"]
 
@@ -144,11 +144,15 @@ def _split_token(flags, tokenizer: Tokenizer, tokens: CodeTokens) -> int | None:
 
 def fim_from_flags(flags, tokenizer: Tokenizer) -> FIM | None:
     """The FIM transform ``flags`` ask for (``DataConfig``'s ``fim_rate``, ``fim_spm_rate``, ``fim_split_sample``,
-    ``fim_fragment_rate``), None at --fim-rate 0. The sentinels are added to ``tokenizer`` if missing
-    (``code_tokens``); ValueError naming the flag when --fim-split-sample is not one token of it."""
+    ``fim_fragment_rate``), None at --fim-rate 0. ``tokenizer`` is the run's (``load_tokenizer(flags)``, which
+    added the sentinels: the one place they are added); ValueError naming the flag when --fim-split-sample is not
+    one token of it. pretrain.py builds it once, before any process group, and hands it to the datasets."""
     if not flags.fim_rate:
         return None
-    tokens = code_tokens(tokenizer)
+    tokens = held_code_tokens(tokenizer)
+    if tokens is None:
+        raise ValueError("--fim-rate: the tokenizer lacks the FIM sentinels (load it with load_tokenizer of the "
+                         "same flags, which adds them)")
     return FIM(tokenizer, tokens, flags.fim_rate, flags.fim_spm_rate, _split_token(flags, tokenizer, tokens),
                flags.fim_fragment_rate)
 

@@ -24,7 +24,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from codegeex_train.distributed.topology import ParallelDims, build_rank_groups
+from codegeex_train.distributed.topology import build_rank_groups
+from codegeex_train.layout.dims import ParallelDims
 
 
 class ClusterError(RuntimeError):

@@ -22,84 +22,13 @@ import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from itertools import product
-from typing import NamedTuple
 
 import torch.distributed as dist
 
+from codegeex_train.layout.dims import ParallelDims, RankCoords
+from codegeex_train.layout.errors import LayoutError
+
 Groups = list[list[int]]
-
-
-class ParallelConfigError(ValueError):
-    """A parallel size that cannot work; the message names the flag and the numbers."""
-
-
-@dataclass(frozen=True)
-class ParallelDims:
-    """Validated parallel sizes, the named dimensions of the run. DP is derived: world = TP x CP x PP x DP.
-    ``cp_size`` (context parallelism) has no flag yet: 1."""
-
-    world_size: int
-    tp_size: int = 1
-    pp_size: int = 1
-    cp_size: int = 1
-
-    def __post_init__(self) -> None:
-        for flag, value in (
-            ("--world-size", self.world_size),
-            ("--tensor-model-parallel-size", self.tp_size),
-            ("--pipeline-model-parallel-size", self.pp_size),
-            ("--context-parallel-size", self.cp_size),
-        ):
-            if value < 1:
-                raise ParallelConfigError(f"{flag}={value}: must be >= 1")
-        if self.world_size % self.non_data_parallel_size:
-            cp = f" x context-parallel size {self.cp_size}" if self.cp_size > 1 else ""
-            raise ParallelConfigError(
-                f"world size {self.world_size} is not divisible by --tensor-model-parallel-size "
-                f"{self.tp_size} x --pipeline-model-parallel-size {self.pp_size}{cp} = "
-                f"{self.non_data_parallel_size}: change one of them or the number of processes"
-            )
-
-    @property
-    def non_data_parallel_size(self) -> int:
-        """TP x CP x PP: the ranks one data-parallel replica spans."""
-        return self.tp_size * self.cp_size * self.pp_size
-
-    @property
-    def dp_size(self) -> int:
-        return self.world_size // self.non_data_parallel_size
-
-    @property
-    def dp_cp_size(self) -> int:
-        """The ranks that see different tokens of one step: gradients and the loss are reduced over them."""
-        return self.dp_size * self.cp_size
-
-    @property
-    def mp_size(self) -> int:
-        """DeepSpeed's "model parallel": the ranks holding different parameters (TP x PP)."""
-        return self.tp_size * self.pp_size
-
-    def rank_coords(self, rank: int) -> RankCoords:
-        """This rank's coordinate on every dimension (the tp-cp-dp-pp order)."""
-        rank, tp_rank = divmod(rank, self.tp_size)
-        rank, cp_rank = divmod(rank, self.cp_size)
-        pp_rank, dp_rank = divmod(rank, self.dp_size)
-        return RankCoords(tp_rank, cp_rank, dp_rank, pp_rank)
-
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """(tp_rank, dp_rank, pp_rank) of a global rank."""
-        c = self.rank_coords(rank)
-        return c.tp, c.dp, c.pp
-
-    def rank_of(self, tp_rank: int, dp_rank: int, pp_rank: int, cp_rank: int = 0) -> int:
-        return ((pp_rank * self.dp_size + dp_rank) * self.cp_size + cp_rank) * self.tp_size + tp_rank
-
-
-class RankCoords(NamedTuple):
-    tp: int
-    cp: int
-    dp: int
-    pp: int
 
 
 @dataclass(frozen=True)
@@ -179,7 +108,7 @@ class Topology:
         self.dims = dims
         self.rank = dist.get_rank() if rank is None else rank
         if dist.is_initialized() and dist.get_world_size() != dims.world_size:
-            raise ParallelConfigError(
+            raise LayoutError(
                 f"torch.distributed has {dist.get_world_size()} processes but the layout expects {dims.world_size}"
             )
         self.tp_rank, self.cp_rank, self.dp_rank, self.pp_rank = dims.rank_coords(self.rank)
@@ -214,6 +143,14 @@ class Topology:
     dp_size = property(lambda self: self.dims.dp_size)
     is_first_stage = property(lambda self: self.pp_rank == 0)
     is_last_stage = property(lambda self: self.pp_rank == self.dims.pp_size - 1)
+    coords = property(lambda self: RankCoords(self.tp_rank, self.cp_rank, self.dp_rank, self.pp_rank))
+    # The ranks among which one step's tokens are split (DP x CP: ``dims.data_shards``).
+    data_shard_group = property(lambda self: self.dp_cp_group)
+
+    @property
+    def is_logging_rank(self) -> bool:
+        """The rank that holds the loss and logs it: the last stage's first rank of every other dimension."""
+        return self.is_last_stage and self.tp_rank == self.cp_rank == self.dp_rank == 0
 
     @property
     def next_rank(self) -> int:
@@ -339,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     try:
         dims = ParallelDims(args.world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
-    except ParallelConfigError as e:
+    except LayoutError as e:
         p.error(str(e))
     warn_if_tp_spans_nodes(dims, args.gpus_per_node)
     if args.json:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
-from codegeex_train.data.code_tokens import code_tokens
 from codegeex_train.distributed.topology import Topology
 from codegeex_train.evaluation.humaneval import evaluate_humaneval, select_tasks
 from codegeex_train.evaluation.infilling import (
@@ -23,7 +22,7 @@ from codegeex_train.evaluation.problems import read_problems
 from codegeex_train.evaluation.sandbox import UNSAFE, Sandbox, SandboxConfig
 from codegeex_train.evaluation.toolchains import Toolchain, find_tools
 from codegeex_train.generation import FimFormat, Generator, SamplingParams
-from codegeex_train.data.code_tokens import trained_order
+from codegeex_train.tokenization.code_tokens import held_code_tokens, trained_order
 
 logger = logging.getLogger(__name__)
 
@@ -113,11 +112,11 @@ def infilling_callback(engine, tokenizer, device, topology: Topology, *, benchma
     ``tokenizer`` is the run's, already holding the FIM sentinels (the run trains with ``--fim-rate`` > 0); one
     without them is a ValueError here, before training starts."""
     chosen = infilling_problems(benchmark, problems, tasks)
-    size = tokenizer.vocab_size
-    fim = FimFormat(trained_order(fim_spm_rate), code_tokens(tokenizer))
-    if tokenizer.vocab_size != size:
+    tokens = held_code_tokens(tokenizer)
+    if tokens is None:
         raise ValueError("--eval-infilling-interval: the run's tokenizer lacks the FIM sentinels (it trains without "
                          "--fim-rate above 0?): a model never shown them cannot infill")
+    fim = FimFormat(trained_order(fim_spm_rate), tokens)
     params = infilling_params(max_new_tokens=max_new_tokens)
     sandbox = training_sandbox(unsafe_no_sandbox) if execute and topology.dp_rank == 0 else None
     warn_if_unsafe(sandbox, "infilling", "infilling")

@@ -19,7 +19,8 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-from codegeex_train.data.bounded_read import FileReadError, decode_utf8, read_lines
+from codegeex_train import bounded_read
+from codegeex_train.bounded_read import FileReadError
 from codegeex_train.evaluation.languages import get_language
 
 __all__ = ["HUMANEVAL_X", "ProblemsError", "humaneval_data_path", "problems_file", "read_jsonl",
@@ -53,29 +54,16 @@ def humaneval_data_path() -> Path:
 
 
 def read_jsonl(path: str | os.PathLike, limit: int | None = None, what: str = "") -> Iterator[tuple[int, dict]]:
-    """(line number, object) for every non-blank line of the regular file ``path``; gzip is recognised by its magic
-    bytes; more than ``limit`` bytes (decompressed; default ``MAX_PROBLEMS_BYTES``) is a ProblemsError naming the
-    bound (``what``: the flag)."""
-    lines = read_lines(path, MAX_PROBLEMS_BYTES if limit is None else limit, what)
+    """(line number, object) for every non-blank line of the regular file ``path`` (``bounded_read.read_jsonl``);
+    gzip is recognised by its magic bytes; more than ``limit`` bytes (decompressed; default ``MAX_PROBLEMS_BYTES``)
+    is a ProblemsError naming the bound (``what``: the flag), as is any line that is not a JSON object."""
+    rows = bounded_read.read_jsonl(path, MAX_PROBLEMS_BYTES if limit is None else limit, what)
     try:
-        for number, line in lines:
-            if number == 1 and line.startswith(b"version https://git-lfs"):
-                raise ProblemsError(f"{path}: a Git LFS pointer, not the data (git lfs pull in its repository)")
-            if not line.strip():
-                continue
-            try:
-                value = json.loads(decode_utf8(line, f"{path}:{number}"))
-            except json.JSONDecodeError as e:
-                raise ProblemsError(f"{path}:{number}: not valid JSON ({e.msg})") from None
-            except RecursionError:
-                raise ProblemsError(f"{path}:{number}: JSON nested too deeply") from None
-            if not isinstance(value, dict):
-                raise ProblemsError(f"{path}:{number}: expected a JSON object, got {type(value).__name__}")
-            yield number, value
-    except FileReadError as e:  # not a regular file, missing, over the bound, a truncated .gz, not UTF-8
+        yield from rows
+    except FileReadError as e:  # not a regular file, missing, over the bound, a truncated .gz, not UTF-8 or JSON
         raise ProblemsError(str(e)) from None
     finally:
-        lines.close()
+        rows.close()
 
 
 def problems_file(path: str | os.PathLike, language: str) -> Path:

@@ -42,13 +42,14 @@ import torch.distributed as dist
 from codegeex_train.checkpoint.files import CheckpointError, load_model_checkpoint, read_checkpoint_meta
 from codegeex_train.checkpoint.retention import reading_checkpoint
 from codegeex_train.config.model_config import ModelConfig
-from codegeex_train.data.tokenizer import Tokenizer, WhitespaceEncodingTokenizer, check_tokenizer_fits_vocab
+from codegeex_train.tokenization.tokenizer import Tokenizer, WhitespaceEncodingTokenizer, check_tokenizer_fits_vocab
 from codegeex_train.generation.infill import FimFormat
 from codegeex_train.generation.batching import Row, sample_streams, stream_batches
 from codegeex_train.generation.sampling import SamplingParams, choose_tokens
 from codegeex_train.generation.stops import StopStrings
 from codegeex_train.generation.text import decode_whitespace_tokens, truncate_at_stop
 from codegeex_train.model.codegeex import CodeGeeXModel
+from codegeex_train.model.groups import ModelGroups
 from codegeex_train.tensor_parallel import RNGStatesTracker
 from codegeex_train.tensor_parallel.mappings import ProcessGroup, group_rank, group_size
 
@@ -114,7 +115,7 @@ class Generator:
             if tokenizer.vocab_size != config.vocab_size:
                 warnings.warn(f"the tokenizer has {tokenizer.vocab_size} ids but checkpoint {load_dir} was trained "
                               f"with {config.vocab_size}: pass the tokenizer flags training used", stacklevel=2)
-        model = CodeGeeXModel(config, tp_group, rng_tracker, dtype=dtype, device=device)
+        model = CodeGeeXModel(config, ModelGroups(tp=tp_group), rng_tracker=rng_tracker, dtype=dtype, device=device)
         with reading_checkpoint(load_dir):  # a run saving there with --keep-last-n-checkpoints keeps it meanwhile
             load_model_checkpoint(load_dir, model)
         return cls(model, tokenizer, device)

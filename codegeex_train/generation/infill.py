@@ -1,7 +1,7 @@
 """Fill-in-the-middle at inference: the order a checkpoint was trained with, its prompt, where the middle ends.
 
 A model trained with ``--fim-rate`` above 0 read documents cut into prefix, middle and suffix, each tokenized on
-its own, in one of two layouts (``codegeex_train/data/code_tokens.py``)::
+its own, in one of two layouts (``codegeex_train/tokenization/code_tokens.py``)::
 
     PSM: <fim_prefix> prefix <fim_suffix> suffix <fim_middle> middle <EOD>
     SPM: <fim_prefix> <fim_suffix> suffix <fim_middle> prefix middle <EOD>
@@ -25,8 +25,8 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass
 
-from codegeex_train.data.code_tokens import FIM_ORDERS, CodeTokens, code_tokens, fim_prompt, trained_order
-from codegeex_train.data.tokenizer import Tokenizer
+from codegeex_train.tokenization.code_tokens import FIM_ORDERS, CodeTokens, code_tokens, fim_prompt, trained_order
+from codegeex_train.tokenization.tokenizer import Tokenizer
 
 DEFAULT_MARKER = "<FILL_HERE>"
 

@@ -19,17 +19,25 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from codegeex_train.config.options import option
+
 
 @dataclass
 class SamplingParams:
-    """How to decode. ``stop``: a completion ends before the first occurrence of any of these strings."""
+    """How to decode. ``stop``: a completion ends before the first occurrence of any of these strings.
 
-    max_new_tokens: int = 128
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1 = off
-    seed: int = 1234
+    Its fields are the sampling flags of every command that generates (tools/generate.py, tools/evaluate_humaneval.py:
+    ``config.options.add_config_flags``), declared here once."""
+
+    max_new_tokens: int = option(128, "tokens to generate at most")
+    temperature: float = option(0.0, "sampling temperature; 0 = greedy")
+    top_k: int = option(0, "sample among the k most likely tokens (0 = off)")
+    top_p: float = option(1.0, "sample within the smallest set of tokens whose probability reaches p (1 = off)")
+    seed: int = option(1234, "prompt i's sample j draws from a random stream seeded by (seed, i, j): the same "
+                       "completions on a rerun, whatever --batch-size")
     stop: tuple[str, ...] = ()
+
+    FLAGS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")  # (stop: tools/generate.py's, with escapes)
 
     def __post_init__(self) -> None:
         self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from codegeex_train.data.whitespace import DEFAULT_MAX_WHITESPACE_RUN, WHITESPACE_START_EXTRA_ID
+from codegeex_train.tokenization.whitespace import DEFAULT_MAX_WHITESPACE_RUN, WHITESPACE_START_EXTRA_ID
 
 HUMANEVAL_STOP = ("\ndef", "\nclass", "\nif", "\nprint", "\n#")
 """HumanEval's stop strings (Codex paper; CodeGeeX's evaluation): a completed function body ends before them."""

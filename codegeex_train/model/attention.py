@@ -47,12 +47,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from codegeex_train.config.model_config import ModelConfig
-from codegeex_train.config.recompute import Recompute
 from codegeex_train.context_parallel.ring_attention import ring_attention
+from codegeex_train.layout.plan import ParallelPlan
+from codegeex_train.model.groups import ModelGroups
 from codegeex_train.model.init import ParamInit
 from codegeex_train.model.rotary import apply_rotary
-from codegeex_train.tensor_parallel import ColumnParallelLinear, RNGStatesTracker, RowParallelLinear, checkpoint, divide
-from codegeex_train.tensor_parallel.mappings import ProcessGroup, group_size
+from codegeex_train.tensor_parallel import (
+    ColumnParallelLinear,
+    RNGStatesTracker,
+    RowParallelLinear,
+    divide,
+    recompute_activations,
+)
+from codegeex_train.tensor_parallel.mappings import ProcessGroup
 
 
 def _split_heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -175,82 +182,88 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 def core_attention(q, k, v, head_dim: int, dropout_p: float, rng_tracker: RNGStatesTracker | None,
                    cache: KVCacheSlot | None, recompute: bool, mask: torch.Tensor | None = None,
                    cp_group: ProcessGroup | None = None) -> torch.Tensor:
-    """``causal_attention`` (ring attention over ``cp_group`` under context parallelism), re-run in backward instead
-    of kept when ``recompute`` (training with grad only); the mask is one of the recomputed function's inputs."""
+    """``causal_attention`` (ring attention over ``cp_group``, given under context parallelism only), re-run in
+    backward instead of kept when ``recompute`` (training with grad only); the mask is one of the recomputed
+    function's inputs."""
     if cache is not None and mask is not None:
         raise ValueError("a KV cache builds its own mask: document masking is for training")
-    if group_size(cp_group) > 1:
+    if cp_group is not None:
         if cache is not None or mask is not None:
             raise ValueError("context parallelism is for training without document masking: no KV cache, no mask")
         attend_cp = lambda q_, k_, v_: context_parallel_attention(q_, k_, v_, head_dim, dropout_p,  # noqa: E731
                                                                   rng_tracker, cp_group)
         if recompute and torch.is_grad_enabled():  # the forward ring runs again in backward
-            return checkpoint(attend_cp, rng_tracker, q, k, v)
+            return recompute_activations(attend_cp, rng_tracker, q, k, v)
         return attend_cp(q, k, v)
     if recompute and cache is None and torch.is_grad_enabled():
         def attend(q_, k_, v_, *mask_):
             return causal_attention(q_, k_, v_, head_dim, dropout_p, rng_tracker, mask=mask_[0] if mask_ else None)
 
-        return checkpoint(attend, rng_tracker, q, k, v, *(() if mask is None else (mask,)))
+        return recompute_activations(attend, rng_tracker, q, k, v, *(() if mask is None else (mask,)))
     return causal_attention(q, k, v, head_dim, dropout_p, rng_tracker, cache, mask)
 
 
-class ParallelSelfAttention(nn.Module):
-    """GPT-2 attention: fused QKV column-parallel (stride 3), causal SDPA, row-parallel output."""
+class _Attention(nn.Module):
+    """What both attentions share: the row-parallel output projection and, between the subclass's projections and
+    it, RoPE and core attention (ring attention over ``groups.cp`` under CP). A subclass builds its projections in
+    ``_projections`` (before ``dense``: the parameters' order is the state dict's) and turns its inputs into this
+    rank's q, k, v (b, s, h/tp) each."""
 
-    def __init__(self, config: ModelConfig, tp_group: ProcessGroup | None, rng_tracker: RNGStatesTracker | None,
-                 init: ParamInit, prefix: str, *, sequence_parallel: bool = False, recompute: Recompute = Recompute(),
-                 cp_group: ProcessGroup | None = None, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None):
+    def __init__(self, config: ModelConfig, groups: ModelGroups, plan: ParallelPlan,
+                 rng_tracker: RNGStatesTracker | None, init: ParamInit, prefix: str, *,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
         super().__init__()
-        h, sp = config.hidden_size, sequence_parallel
+        h = config.hidden_size
         self.head_dim, self.dropout_p, self.rng_tracker = config.head_dim, config.attention_dropout, rng_tracker
-        self.cp_group = cp_group  # context parallelism: ring attention over it (None or one rank: SDPA)
+        self.cp_group = groups.cp  # context parallelism: ring attention over it (None: SDPA)
         self.rotary_interleaved = config.rotary_interleaved
-        self.recompute_core = recompute.selects("core_attn")
-        self.hidden_per_partition = divide(h, group_size(tp_group), "hidden size")
-        self.query_key_value = ColumnParallelLinear(h, 3 * h, tp_group, stride=3, sequence_parallel=sp, dtype=dtype,
-                                                    device=device,
-                                                    init_method=init.normal(prefix + "query_key_value.weight"))
-        self.dense = RowParallelLinear(h, h, tp_group, input_is_parallel=True, sequence_parallel=sp, dtype=dtype,
-                                       device=device, init_method=init.scaled(prefix + "dense.weight"))
+        self.recompute_core = plan.recompute.selects("core_attn")
+        self.hidden_per_partition = divide(h, groups.tp_size, "hidden size")
+        linear = {"sequence_parallel": plan.sp, "dtype": dtype, "device": device}
+        self._projections(h, groups.tp, init, prefix, linear)
+        self.dense = RowParallelLinear(h, h, groups.tp, input_is_parallel=True,
+                                       init_method=init.scaled(prefix + "dense.weight"), **linear)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, cache: KVCacheSlot | None = None,
-                rotary: torch.Tensor | None = None) -> torch.Tensor:
-        """``mask``: (b, 1, s, s) bool of document masking, or None (causal). ``rotary``: RoPE's tables, or None."""
-        qkv = self.query_key_value(x)  # (b, s, 3h/tp) = [q_r | k_r | v_r]
-        q, k, v = qkv.split(self.hidden_per_partition, dim=-1)  # 3 x (b, s, h/tp)
+    def _projections(self, h: int, tp_group: ProcessGroup | None, init: ParamInit, prefix: str, linear: dict) -> None:
+        raise NotImplementedError
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                cache: KVCacheSlot | None, rotary: torch.Tensor | None) -> torch.Tensor:
+        """(b, s, h/tp) q, k, v -> (b, s, h), or (b, s/tp, h) under SP."""
         if rotary is not None:  # new q, k; v copied too, so that nothing keeps the fused output alive for backward
             q, k = (apply_rotary(t, rotary, self.head_dim, self.rotary_interleaved) for t in (q, k))
             v = v.contiguous()
         p = self.dropout_p if self.training else 0.0
         ctx = core_attention(q, k, v, self.head_dim, p, self.rng_tracker, cache, self.recompute_core,
                              mask, self.cp_group)  # (b, s, h/tp)
-        return self.dense(ctx)  # (b, s, h), or (b, s/tp, h) under SP
+        return self.dense(ctx)
 
 
-class TopQueryAttention(nn.Module):
+class ParallelSelfAttention(_Attention):
+    """GPT-2 attention: fused QKV column-parallel (stride 3), causal SDPA, row-parallel output."""
+
+    def _projections(self, h: int, tp_group: ProcessGroup | None, init: ParamInit, prefix: str, linear: dict) -> None:
+        self.query_key_value = ColumnParallelLinear(h, 3 * h, tp_group, stride=3,
+                                                    init_method=init.normal(prefix + "query_key_value.weight"),
+                                                    **linear)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, cache: KVCacheSlot | None = None,
+                rotary: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask``: (b, 1, s, s) bool of document masking, or None (causal). ``rotary``: RoPE's tables, or None."""
+        qkv = self.query_key_value(x)  # (b, s, 3h/tp) = [q_r | k_r | v_r]
+        q, k, v = qkv.split(self.hidden_per_partition, dim=-1)  # 3 x (b, s, h/tp)
+        return self._attend(q, k, v, mask, cache, rotary)
+
+
+class TopQueryAttention(_Attention):
     """CodeGeeX's top query attention: keys and values from the hidden states (fused KV, stride 2),
     queries from a separate embedding of the position (query i predicts token i + 1); under RoPE from one learned
     row, rotated by the position like the keys (model/rotary.py)."""
 
-    def __init__(self, config: ModelConfig, tp_group: ProcessGroup | None, rng_tracker: RNGStatesTracker | None,
-                 init: ParamInit, prefix: str, *, sequence_parallel: bool = False, recompute: Recompute = Recompute(),
-                 cp_group: ProcessGroup | None = None, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None):
-        super().__init__()
-        h, sp = config.hidden_size, sequence_parallel
-        self.head_dim, self.dropout_p, self.rng_tracker = config.head_dim, config.attention_dropout, rng_tracker
-        self.cp_group = cp_group  # context parallelism: ring attention over it (None or one rank: SDPA)
-        self.rotary_interleaved = config.rotary_interleaved
-        self.recompute_core = recompute.selects("core_attn")
-        self.hidden_per_partition = divide(h, group_size(tp_group), "hidden size")
-        self.query = ColumnParallelLinear(h, h, tp_group, sequence_parallel=sp, dtype=dtype, device=device,
-                                          init_method=init.normal(prefix + "query.weight"))
-        self.key_value = ColumnParallelLinear(h, 2 * h, tp_group, stride=2, sequence_parallel=sp, dtype=dtype,
-                                              device=device, init_method=init.normal(prefix + "key_value.weight"))
-        self.dense = RowParallelLinear(h, h, tp_group, input_is_parallel=True, sequence_parallel=sp, dtype=dtype,
-                                       device=device, init_method=init.scaled(prefix + "dense.weight"))
+    def _projections(self, h: int, tp_group: ProcessGroup | None, init: ParamInit, prefix: str, linear: dict) -> None:
+        self.query = ColumnParallelLinear(h, h, tp_group, init_method=init.normal(prefix + "query.weight"), **linear)
+        self.key_value = ColumnParallelLinear(h, 2 * h, tp_group, stride=2,
+                                              init_method=init.normal(prefix + "key_value.weight"), **linear)
 
     def forward(self, x: torch.Tensor, query_embeds: torch.Tensor, mask: torch.Tensor | None = None,
                 cache: KVCacheSlot | None = None, rotary: torch.Tensor | None = None) -> torch.Tensor:
@@ -258,10 +271,4 @@ class TopQueryAttention(nn.Module):
         (the queries then carry their position in ``query_embeds``)."""
         q = self.query(query_embeds)  # (b, s, h/tp)
         k, v = self.key_value(x).split(self.hidden_per_partition, dim=-1)  # 2 x (b, s, h/tp)
-        if rotary is not None:  # as in ParallelSelfAttention
-            q, k = (apply_rotary(t, rotary, self.head_dim, self.rotary_interleaved) for t in (q, k))
-            v = v.contiguous()
-        p = self.dropout_p if self.training else 0.0
-        ctx = core_attention(q, k, v, self.head_dim, p, self.rng_tracker, cache, self.recompute_core,
-                             mask, self.cp_group)  # (b, s, h/tp)
-        return self.dense(ctx)  # (b, s, h), or (b, s/tp, h) under SP
+        return self._attend(q, k, v, mask, cache, rotary)

@@ -1,6 +1,8 @@
 """CodeGeeXModel: one pipeline stage of the GPT decoder with CodeGeeX's top query layer.
 
-    model = CodeGeeXModel(config, topology.tp_group, tracker, seed=1234)
+    model = CodeGeeXModel.for_rank(config, plan, topology, tracker, seed=1234)  # this rank's part of the plan's model
+    model = CodeGeeXModel(config, ModelGroups.from_topology(topology), plan, tracker)  # the same, one stage
+    model = CodeGeeXModel(config, seed=1234)                        # one rank: no groups, no plan
     logits_shard = model(input_ids, position_ids)                   # (b, s, v/tp)
     loss = model(input_ids, position_ids, labels=labels)            # (b, s) per-token loss, fp32
     logits = model(input_ids, position_ids, gather_logits=True)     # (b, s, v)
@@ -20,12 +22,15 @@ rotates its queries and keys by them (no learned position table then; the top qu
 names use global layer numbers (``layers.7.mlp...``), so a stage's state dict keys and initial values do not depend
 on how the layers are split.
 
-Training options that change no parameter: ``sequence_parallel`` (hidden states between stages and layers are
-(b, s/tp, h): each TP rank holds its part of the sequence; the output layer gathers it), ``recompute``
-(config/recompute.py: full layers or selected parts re-run in backward) and ``cp_group`` (context parallelism: the
-inputs, position ids and labels are this CP rank's two chunks of each sequence, positions global; attention is a
-ring over the group, everything else per token). A checkpoint saved with any of them loads without it. Decoding
-with a KV cache never splits the sequence: build the model without ``sequence_parallel`` or ``cp_group``.
+The process groups come as one ``ModelGroups`` (model/groups.py: TP, and CP's under context parallelism), passed
+down to every layer; the ``ParallelPlan`` (layout/plan.py) says what runs over them, read once here and by each
+layer for what it uses. Training options of the plan that change no parameter: sequence parallelism (``plan.sp``:
+hidden states between stages and layers are (b, s/tp, h): each TP rank holds its part of the sequence; the output
+layer gathers it), ``plan.recompute`` (layout/recompute.py: full layers or selected parts re-run in backward) and
+context parallelism (``plan.cp_size`` > 1: the inputs, position ids and labels are this CP rank's two chunks of each
+sequence, positions global; attention is a ring over the CP group, everything else per token). A checkpoint saved
+with any of them loads without it. Without a plan the model runs TP over its groups and nothing else. Decoding with
+a KV cache never splits the sequence: build the model with a plan without SP or CP (or with none).
 """
 
 from __future__ import annotations
@@ -37,9 +42,10 @@ import torch
 from torch import nn
 
 from codegeex_train.config.model_config import ModelConfig
-from codegeex_train.config.plan import ParallelPlan
-from codegeex_train.config.recompute import Recompute
+from codegeex_train.layout.dims import ParallelDims
+from codegeex_train.layout.plan import ParallelPlan
 from codegeex_train.model.attention import KVCache, document_attention_mask
+from codegeex_train.model.groups import ModelGroups
 from codegeex_train.model.kv_slots import KVSlots
 from codegeex_train.model.embedding import ReplicatedEmbedding, parallel_lm_logits, word_embeddings
 from codegeex_train.model.init import ParamInit
@@ -50,8 +56,7 @@ from codegeex_train.model.transformer import (
     layer_norm,
     sequence_parallel_dropout,
 )
-from codegeex_train.tensor_parallel import RNGStatesTracker, checkpoint, vocab_parallel_cross_entropy
-from codegeex_train.tensor_parallel.mappings import ProcessGroup, group_rank, group_size
+from codegeex_train.tensor_parallel import RNGStatesTracker, recompute_activations, vocab_parallel_cross_entropy
 
 if TYPE_CHECKING:
     from codegeex_train.distributed.topology import Topology
@@ -60,21 +65,20 @@ if TYPE_CHECKING:
 class CodeGeeXModel(nn.Module):
     """One pipeline stage (by default the whole model) of CodeGeeX; see the module docstring."""
 
-    def __init__(self, config: ModelConfig, tp_group: ProcessGroup | None, rng_tracker: RNGStatesTracker | None, *,
-                 seed: int = 1234, pre_process: bool = True, post_process: bool = True,
-                 layer_numbers: Sequence[int] | None = None, chunk_layers: Sequence[Sequence[int]] | None = None,
-                 checkpoint_activations: bool = False,
-                 sequence_parallel: bool = False, recompute: Recompute | None = None,
-                 cp_group: ProcessGroup | None = None,
+    def __init__(self, config: ModelConfig, groups: ModelGroups | None = None, plan: ParallelPlan | None = None,
+                 rng_tracker: RNGStatesTracker | None = None, *, seed: int = 1234, pre_process: bool = True,
+                 post_process: bool = True, layer_numbers: Sequence[int] | None = None,
+                 chunk_layers: Sequence[Sequence[int]] | None = None,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
         super().__init__()
-        config.validate(group_size(tp_group))  # a bad shape fails here, before any weight or collective
-        self.config, self.tp_group, self.rng_tracker = config, tp_group, rng_tracker
+        groups = ModelGroups() if groups is None else groups
+        if plan is None:  # TP over the groups, nothing else: no SP, CP or recompute
+            plan = ParallelPlan.derive(ParallelDims(groups.tp_size, groups.tp_size), micro_batch_size=1)
+        groups.check(plan)
+        config.validate(plan.tp_size)  # a bad shape fails here, before any weight or collective
+        self.config, self.groups, self.plan, self.rng_tracker = config, groups, plan, rng_tracker
         self.pre_process, self.post_process = pre_process, post_process
-        if recompute is None:  # --checkpoint-activations: full recompute of every layer
-            recompute = Recompute.full() if checkpoint_activations else Recompute()
-        self.recompute = recompute
-        self.sequence_parallel = sequence_parallel and group_size(tp_group) > 1
+        self.sequence_parallel = plan.sp
         if chunk_layers is not None:
             if layer_numbers is not None:
                 raise ValueError("give layer_numbers or chunk_layers, not both")
@@ -85,55 +89,50 @@ class CodeGeeXModel(nn.Module):
             raise ValueError(f"layer_numbers {self.layer_numbers} outside 0..{config.num_layers - 1} (--num-layers)")
         init = ParamInit(seed, config.init_method_std, config.num_layers)
         h, kw = config.hidden_size, {"dtype": dtype, "device": device}
-        sp, sp_group = self.sequence_parallel, tp_group if self.sequence_parallel else None
-        self.cp_group = cp_group if group_size(cp_group) > 1 else None
-        layer_kw = {**kw, "sequence_parallel": sp, "recompute": recompute, "cp_group": self.cp_group}
+        sp_group = groups.sequence_parallel_group(plan)
 
         if pre_process or post_process:
-            self.word_embeddings = word_embeddings(config.padded_vocab_size, h, tp_group, init, sequence_parallel=sp,
-                                                   **kw)
+            self.word_embeddings = word_embeddings(config.padded_vocab_size, h, groups.tp, init,
+                                                   sequence_parallel=plan.sp, **kw)
         if pre_process and config.position_table_rows:  # learned_absolute (none under RoPE)
             self.position_embeddings = ReplicatedEmbedding(config.position_table_rows, h, init,
                                                            "position_embeddings.weight", sp_group=sp_group, **kw)
         # Keys are global layer numbers: the names (and so the init seeds) are the same at every PP split.
         self.layers = nn.ModuleDict({
-            str(i): ParallelTransformerLayer(config, tp_group, rng_tracker, init, f"layers.{i}.", **layer_kw)
+            str(i): ParallelTransformerLayer(config, groups, plan, rng_tracker, init, f"layers.{i}.", **kw)
             for i in self.layer_numbers
         })
         if post_process:
-            self.final_layernorm = layer_norm(config, dtype, device, sp_group)
+            self.final_layernorm = layer_norm(config, groups, plan, dtype, device)
             if config.top_query_layer:
                 # A row per position; under RoPE one row, rotated by the position in the attention
                 self.top_query_embeddings = ReplicatedEmbedding(config.top_query_rows, h, init,
                                                                 "top_query_embeddings.weight", sp_group=sp_group, **kw)
-                self.top_query_layer = TopQueryLayer(config, tp_group, rng_tracker, init, "top_query_layer.",
-                                                     **layer_kw)
+                self.top_query_layer = TopQueryLayer(config, groups, plan, rng_tracker, init, "top_query_layer.",
+                                                     **kw)
         # Per chunk (each its own model in Megatron): its layer index -> the recompute unit holding it
-        self._unit_of = [{i: unit for unit in recompute.full_units(len(c)) for i in unit} for c in self.chunk_layers]
-        self._recompute_top_query = recompute.covers_top_query_layer(len(self.chunk_layers[-1]))
+        self._unit_of = [{i: unit for unit in plan.recompute.full_units(len(c)) for i in unit}
+                         for c in self.chunk_layers]
+        self._recompute_top_query = plan.recompute.covers_top_query_layer(len(self.chunk_layers[-1]))
 
     @classmethod
     def for_rank(cls, config: ModelConfig, plan: ParallelPlan, topology: Topology,
                  rng_tracker: RNGStatesTracker | None, *, seed: int = 1234,
                  device: torch.device | str | None = None) -> "CodeGeeXModel":
         """This rank's part of the model as ``plan`` lays it out: its TP shard, its pipeline stage's model chunks,
-        the plan's sequence parallelism and recompute choice."""
-        return cls(config, topology.tp_group, rng_tracker, seed=seed, pre_process=topology.is_first_stage,
-                   post_process=topology.is_last_stage, chunk_layers=plan.rank_chunks(topology.pp_rank),
-                   sequence_parallel=plan.sequence_parallel, recompute=plan.recompute, cp_group=topology.cp_group,
-                   device=device)
+        the plan's sequence and context parallelism and recompute choice."""
+        return cls(config, ModelGroups.from_topology(topology), plan, rng_tracker, seed=seed,
+                   pre_process=topology.is_first_stage, post_process=topology.is_last_stage,
+                   chunk_layers=plan.rank_chunks(topology.pp_rank), device=device)
 
     @property
     def num_chunks(self) -> int:
         return len(self.chunk_layers)
 
-    @property
-    def tp_size(self) -> int:
-        return group_size(self.tp_group)
-
-    @property
-    def tp_rank(self) -> int:
-        return group_rank(self.tp_group)
+    tp_group = property(lambda self: self.groups.tp)
+    tp_size = property(lambda self: self.groups.tp_size)
+    tp_rank = property(lambda self: self.groups.tp_rank)
+    recompute = property(lambda self: self.plan.recompute)
 
     @property
     def checkpoint_activations(self) -> bool:
@@ -160,16 +159,16 @@ class CodeGeeXModel(nn.Module):
                     x = layer(x, *mask_, rotary=rotary)
                 return x
 
-            hidden = self._checkpoint(run, hidden, *mask, rotary=rotary)
+            hidden = self._recompute(run, hidden, *mask, rotary=rotary)
             i = unit[-1] + 1
         return hidden
 
-    def _checkpoint(self, function, *args: torch.Tensor, rotary: torch.Tensor | None) -> torch.Tensor:
+    def _recompute(self, function, *args: torch.Tensor, rotary: torch.Tensor | None) -> torch.Tensor:
         """``function(*args, rotary=rotary)`` under full recompute: RoPE's tables, when given, travel as the last
         ``checkpoint`` input (restores both RNG streams on recompute)."""
         if rotary is None:
-            return checkpoint(function, self.rng_tracker, *args)
-        return checkpoint(lambda *a: function(*a[:-1], rotary=a[-1]), self.rng_tracker, *args, rotary)
+            return recompute_activations(function, self.rng_tracker, *args)
+        return recompute_activations(lambda *a: function(*a[:-1], rotary=a[-1]), self.rng_tracker, *args, rotary)
 
     def new_kv_cache(self, batch_size: int, capacity: int) -> KVCache:
         """An empty KVCache for this stage's attentions (its layers, then the top query layer), this rank's heads,
@@ -223,8 +222,8 @@ class CodeGeeXModel(nn.Module):
         self.config.check_sequence_length(position_ids.shape[-1])
         if kv_cache is None and attention_mask is not None:
             raise ValueError("attention_mask needs kv_cache: padding is supported when decoding only")
-        if kv_cache is not None and self.cp_group is not None:
-            raise ValueError("decoding with a KV cache runs whole sequences: build the model without cp_group")
+        if kv_cache is not None:
+            self.groups.check_whole_sequences("decoding with a KV cache")
         if kv_cache is not None and document_ids is not None:
             raise ValueError("document_ids go with training, not kv_cache (decoding masks padding only)")
         if document_ids is not None and document_ids.shape != position_ids.shape:
@@ -237,7 +236,8 @@ class CodeGeeXModel(nn.Module):
         if kv_cache is not None:
             kv_cache.begin(position_ids.shape[-1], attention_mask)
         if self.sequence_parallel and kv_cache is not None:
-            raise ValueError("decoding with a KV cache splits no sequence: build the model without sequence_parallel")
+            raise ValueError("decoding with a KV cache splits no sequence: build the model without sequence "
+                             "parallelism")
         if pre_process:
             words = self.word_embeddings(inputs)  # (b, s, h) all-reduced over TP; SP: (b, s/tp, h) reduce-scattered
             hidden = words if self.config.rope else words + self.position_embeddings(position_ids)
@@ -265,7 +265,7 @@ class CodeGeeXModel(nn.Module):
             # (b, s, h), or (b, s/tp, h) under SP: the row of each position, or under RoPE the one row everywhere
             queries = self.top_query_embeddings(torch.zeros_like(position_ids) if self.config.rope else position_ids)
             if kv_cache is None and self._recompute_top_query and self._recomputing():
-                hidden = self._checkpoint(self.top_query_layer, hidden, queries, *mask, rotary=rotary)
+                hidden = self._recompute(self.top_query_layer, hidden, queries, *mask, rotary=rotary)
             elif kv_cache is None:
                 hidden = self.top_query_layer(hidden, queries, *mask, rotary=rotary)
             else:  # keys/values from the final hidden states, cached like every layer's

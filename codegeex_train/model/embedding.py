@@ -22,14 +22,14 @@ from codegeex_train.tensor_parallel.mappings import ProcessGroup, group_rank, gr
 class ReplicatedEmbedding(nn.Module):
     """A plain lookup table every TP rank holds whole (positions, CodeGeeX's top queries).
 
-    ``sp_group`` (sequence parallelism): look up this rank's part of the sequence only, (b, s/tp, h); the table's
-    gradient is then a partial sum, completed over TP (``sequence_parallel_parameter``)."""
+    ``sp_group`` (sequence parallelism in effect): look up this rank's part of the sequence only, (b, s/tp, h); the
+    table's gradient is then a partial sum, completed over TP (``sequence_parallel_parameter``)."""
 
     def __init__(self, num: int, dim: int, init: ParamInit, name: str, *, dtype: torch.dtype = torch.float32,
                  device=None, sp_group: ProcessGroup | None = None):
         super().__init__()
         self.weight = init.replicated(name, (num, dim), dtype, device)
-        self.sp_group = sp_group if group_size(sp_group) > 1 else None
+        self.sp_group = sp_group  # given when the plan has sequence parallelism in effect
         if self.sp_group is not None:
             mark_sequence_parallel(self.weight)
 

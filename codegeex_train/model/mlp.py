@@ -7,10 +7,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from codegeex_train.config.model_config import ModelConfig
-from codegeex_train.config.recompute import Recompute
+from codegeex_train.layout.plan import ParallelPlan
+from codegeex_train.model.groups import ModelGroups
 from codegeex_train.model.init import ParamInit
 from codegeex_train.tensor_parallel import ColumnParallelLinear, RowParallelLinear, recompute_in_backward
-from codegeex_train.tensor_parallel.mappings import ProcessGroup
 
 
 class _FastGeLU(torch.autograd.Function):
@@ -53,19 +53,18 @@ class ParallelMLP(nn.Module):
     Selective recompute of ``mlp_act``: the activation's output, the second linear's input, is rebuilt from its
     input (kept for the activation's own backward) when backward needs it."""
 
-    def __init__(self, config: ModelConfig, tp_group: ProcessGroup | None, init: ParamInit, prefix: str, *,
-                 sequence_parallel: bool = False, recompute: Recompute = Recompute(),
+    def __init__(self, config: ModelConfig, groups: ModelGroups, plan: ParallelPlan, init: ParamInit, prefix: str, *,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
         super().__init__()
         h, ffn = config.hidden_size, config.ffn_hidden_size
-        self.dense_h_to_4h = ColumnParallelLinear(h, ffn, tp_group, dtype=dtype, device=device,
-                                                  sequence_parallel=sequence_parallel,
+        self.dense_h_to_4h = ColumnParallelLinear(h, ffn, groups.tp, dtype=dtype, device=device,
+                                                  sequence_parallel=plan.sp,
                                                   init_method=init.normal(prefix + "dense_h_to_4h.weight"))
-        self.dense_4h_to_h = RowParallelLinear(ffn, h, tp_group, input_is_parallel=True,
+        self.dense_4h_to_h = RowParallelLinear(ffn, h, groups.tp, input_is_parallel=True,
                                                init_method=init.scaled(prefix + "dense_4h_to_h.weight"),
-                                               sequence_parallel=sequence_parallel, dtype=dtype, device=device)
+                                               sequence_parallel=plan.sp, dtype=dtype, device=device)
         self.activation = activation_fn(config.activation)
-        self.recompute_activation = recompute.selects("mlp_act")
+        self.recompute_activation = plan.recompute.selects("mlp_act")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         pre = self.dense_h_to_4h(x)  # (b, s, ffn/tp)

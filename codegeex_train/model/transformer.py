@@ -15,22 +15,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from codegeex_train.config.model_config import ModelConfig
-from codegeex_train.config.recompute import Recompute
+from codegeex_train.layout.plan import ParallelPlan
 from codegeex_train.model.attention import KVCacheSlot, ParallelSelfAttention, TopQueryAttention
+from codegeex_train.model.groups import ModelGroups
 from codegeex_train.model.init import ParamInit
 from codegeex_train.model.mlp import ParallelMLP
 from codegeex_train.tensor_parallel import RNGStatesTracker, mark_sequence_parallel, recompute_in_backward
 from codegeex_train.tensor_parallel import sequence_parallel_parameter as sp_param
-from codegeex_train.tensor_parallel.mappings import ProcessGroup, group_size
+from codegeex_train.tensor_parallel.mappings import ProcessGroup
 
 
 class LayerNorm(nn.LayerNorm):
-    """nn.LayerNorm (weight 1, bias 0); with ``sp_group`` it normalises this rank's tokens only and its parameters'
-    gradients are completed over TP."""
+    """nn.LayerNorm (weight 1, bias 0); with ``sp_group`` (sequence parallelism in effect) it normalises this rank's
+    tokens only and its parameters' gradients are completed over TP."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device, sp_group: ProcessGroup | None = None):
         super().__init__(config.hidden_size, eps=config.layernorm_epsilon, dtype=dtype, device=device)
-        self.sp_group = sp_group if group_size(sp_group) > 1 else None
+        self.sp_group = sp_group
         if self.sp_group is not None:
             mark_sequence_parallel(self.weight, self.bias)
 
@@ -41,8 +42,9 @@ class LayerNorm(nn.LayerNorm):
                             sp_param(self.bias, self.sp_group), self.eps)
 
 
-def layer_norm(config: ModelConfig, dtype: torch.dtype, device, sp_group: ProcessGroup | None = None) -> LayerNorm:
-    return LayerNorm(config, dtype, device, sp_group)
+def layer_norm(config: ModelConfig, groups: ModelGroups, plan: ParallelPlan, dtype: torch.dtype, device) -> LayerNorm:
+    """A LayerNorm of the residual stream: over this rank's part of the sequence when the plan has SP."""
+    return LayerNorm(config, dtype, device, groups.sequence_parallel_group(plan))
 
 
 def sequence_parallel_dropout(x: torch.Tensor, p: float, training: bool, rng_tracker: RNGStatesTracker | None,
@@ -63,21 +65,18 @@ class ParallelTransformerLayer(nn.Module):
 
     attention_class = ParallelSelfAttention
 
-    def __init__(self, config: ModelConfig, tp_group: ProcessGroup | None, rng_tracker: RNGStatesTracker | None,
-                 init: ParamInit, prefix: str, *, sequence_parallel: bool = False, recompute: Recompute = Recompute(),
-                 cp_group: ProcessGroup | None = None, dtype: torch.dtype = torch.float32, device=None):
+    def __init__(self, config: ModelConfig, groups: ModelGroups, plan: ParallelPlan,
+                 rng_tracker: RNGStatesTracker | None, init: ParamInit, prefix: str, *,
+                 dtype: torch.dtype = torch.float32, device=None):
         super().__init__()
         self.hidden_dropout, self.rng_tracker = config.hidden_dropout, rng_tracker
-        self.sequence_parallel = sequence_parallel and group_size(tp_group) > 1
-        self.recompute_layernorm = recompute.selects("layernorm")
-        sp_group = tp_group if self.sequence_parallel else None
-        self.input_layernorm = layer_norm(config, dtype, device, sp_group)
-        self.attention = self.attention_class(config, tp_group, rng_tracker, init, prefix + "attention.",
-                                              sequence_parallel=self.sequence_parallel, recompute=recompute,
-                                              cp_group=cp_group, dtype=dtype, device=device)
-        self.post_attention_layernorm = layer_norm(config, dtype, device, sp_group)
-        self.mlp = ParallelMLP(config, tp_group, init, prefix + "mlp.", sequence_parallel=self.sequence_parallel,
-                               recompute=recompute, dtype=dtype, device=device)
+        self.sequence_parallel = plan.sp
+        self.recompute_layernorm = plan.recompute.selects("layernorm")
+        self.input_layernorm = layer_norm(config, groups, plan, dtype, device)
+        self.attention = self.attention_class(config, groups, plan, rng_tracker, init, prefix + "attention.",
+                                              dtype=dtype, device=device)
+        self.post_attention_layernorm = layer_norm(config, groups, plan, dtype, device)
+        self.mlp = ParallelMLP(config, groups, plan, init, prefix + "mlp.", dtype=dtype, device=device)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         return sequence_parallel_dropout(x, self.hidden_dropout, self.training, self.rng_tracker,

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:  # a name for the signature only: the plan lives in config, above this layer
-    from codegeex_train.config.plan import ParallelPlan
+    from codegeex_train.layout.plan import ParallelPlan
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Hand-written Megatron tensor parallelism: f/g communication (mappings.py), the parallel layers (layers.py), the
-vocab-parallel loss (cross_entropy.py), the TP-aware RNG tracker and activation checkpointing (random.py), and
-selective recomputation of a cheap op's output (recompute.py). Sequence parallelism lives in the same mappings and
+vocab-parallel loss (cross_entropy.py), the TP-aware RNG tracker and full activation recompute (random.py: ``recompute_activations``), and
+selective recomputation of a cheap op's output (selective_recompute.py). Sequence parallelism lives in the same mappings and
 layers.
 
 May import nothing else of codegeex_train: each layer receives the process group it uses."""
@@ -27,7 +27,12 @@ from codegeex_train.tensor_parallel.mappings import (
     scatter_to_tensor_model_parallel_region,
 )
 from codegeex_train.tensor_parallel.selective_recompute import recompute_in_backward
-from codegeex_train.tensor_parallel.random import MODEL_PARALLEL_RNG, RNGStatesTracker, checkpoint, model_parallel_seed
+from codegeex_train.tensor_parallel.random import (
+    MODEL_PARALLEL_RNG,
+    RNGStatesTracker,
+    model_parallel_seed,
+    recompute_activations,
+)
 
 __all__ = [
     "ColumnParallelLinear",
@@ -46,7 +51,7 @@ __all__ = [
     "recompute_in_backward",
     "RNGStatesTracker",
     "model_parallel_seed",
-    "checkpoint",
+    "recompute_activations",
     "MODEL_PARALLEL_RNG",
     "init_normal",
     "divide",

@@ -112,7 +112,9 @@ class _CheckpointFunction(torch.autograd.Function):
         return (None, None, None) + tuple(x.grad if x.requires_grad else None for x in inputs)
 
 
-def checkpoint(function, tracker: RNGStatesTracker | None, *args: torch.Tensor):
-    """Activation checkpointing of ``function(*args)`` (tensor args only) that keeps dropout exact."""
+def recompute_activations(function, tracker: RNGStatesTracker | None, *args: torch.Tensor):
+    """Activation checkpointing of ``function(*args)`` (tensor args only) that keeps dropout exact: its activations
+    are dropped after the forward and recomputed in backward, with the RNG streams of the first run (Megatron's
+    ``tensor_parallel.checkpoint``; named for what it does, beside the ``checkpoint`` package of saved runs)."""
     device = tracker.device if tracker is not None else torch.device("cpu")
     return _CheckpointFunction.apply(function, tracker, device, *args)

@@ -3,7 +3,7 @@
 ==================  ======================================================================================
 ``trainer.py``      the loop: the pipeline schedule's micro-batches, the tied-embedding gradient sum, DeepSpeed's
                     step, then metrics, evaluation (a callback), checkpoints and exit conditions
-``stage.py``        one pipeline stage's forward and backward over its DeepSpeed engine
+``engine_stage.py``  one pipeline stage's forward and backward over its DeepSpeed engine
 ``engine.py``       ``build_engine``: model -> optimizer -> LR schedule -> ``deepspeed.initialize``
 ``optim.py``        AdamW with decay / no-decay groups, and Megatron's LR schedule
 ``batches.py``      the run's data: preflight checks, splits, per-rank loaders, batches (CP shares too)

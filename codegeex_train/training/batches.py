@@ -9,8 +9,7 @@ import torch.distributed as dist
 
 from codegeex_train.config.arguments import ConfigError, DataConfig, TrainConfig
 from codegeex_train.context_parallel.chunks import split_for_context_parallel
-from codegeex_train.data.code_tokens import code_tokens
-from codegeex_train.data.fim import fim_from_flags
+from codegeex_train.data.fim import FIM
 from codegeex_train.data.gpt_dataset import (
     build_datasets_from_paths,
     build_train_valid_test_datasets,
@@ -20,8 +19,8 @@ from codegeex_train.data.indexed_dataset import IndexedDatasetError, MMapIndexed
 from codegeex_train.data.sampler import build_pretraining_data_loader
 from codegeex_train.data.stored_documents import holds_eod, opens_with
 from codegeex_train.data.token_range import TokenIdError, check_token_ids
-from codegeex_train.data.tokenizer import Tokenizer, load_tokenizer
-from codegeex_train.data.tokenizer_record import (
+from codegeex_train.tokenization.tokenizer import Tokenizer
+from codegeex_train.tokenization.record import (
     TOKENIZER_FIELDS,
     describe_record,
     describe_tokenizer,
@@ -29,7 +28,7 @@ from codegeex_train.data.tokenizer_record import (
     read_dataset_record,
     tokenizer_flags,
 )
-from codegeex_train.config.plan import ParallelPlan
+from codegeex_train.layout.plan import ParallelPlan
 
 
 def _prefixes(cfg: DataConfig) -> list[tuple[str, str]]:
@@ -61,7 +60,8 @@ def _check_data_tokenizer(flag: str, prefix: str, cfg: DataConfig, tokenizer: To
                           f"tools/preprocess_data.py did, or re-run it with this run's tokenizer")
 
 
-def _refuse_idle_flags(cfg: DataConfig, flag: str, prefix: str, ds: MMapIndexedDataset, tokenizer: Tokenizer) -> None:
+def _refuse_idle_flags(cfg: DataConfig, flag: str, prefix: str, ds: MMapIndexedDataset, tokenizer: Tokenizer,
+                       fim: FIM | None) -> None:
     """Flags that would do nothing on this data, refused (data/stored_documents.py reads a few documents' ends)."""
     masking = [name for name, on in (("--reset-position-ids", cfg.reset_position_ids),
                                      ("--reset-attention-mask", cfg.reset_attention_mask),
@@ -71,24 +71,18 @@ def _refuse_idle_flags(cfg: DataConfig, flag: str, prefix: str, ds: MMapIndexedD
                           f"end-of-document token (id {tokenizer.eod}); re-run tools/preprocess_data.py with "
                           f"--append-eod, or drop the flag")
     # FIM leaves a segment holding a sentinel as stored: a repository document is one, unless split into files.
-    if cfg.fim_rate and cfg.fim_split_sample is None and flag in ("--data-path", "--train-data-path"):
-        tokens = code_tokens(tokenizer)  # a run's tokenizer has them already (--fim-rate: fim_from_flags)
-        if opens_with(ds, (tokens.repo_name, tokens.file_sep)):
+    if fim is not None and fim.split_sample is None and flag in ("--data-path", "--train-data-path"):
+        if opens_with(ds, (fim.tokens.repo_name, fim.tokens.file_sep)):
             raise ConfigError(f"--fim-rate {cfg.fim_rate} would transform almost nothing of {flag} {prefix}: its "
                               f"documents are repository documents, which FIM leaves whole; add --fim-split-sample "
                               f"<file_sep> (FIM then works on each file)")
 
 
-def preflight_data(cfg: DataConfig, padded_vocab_size: int, tokenizer: Tokenizer | None = None) -> None:
+def preflight_data(cfg: DataConfig, padded_vocab_size: int, tokenizer: Tokenizer, fim: FIM | None = None) -> None:
     """Fail fast, before any process group: missing, foreign or corrupt files, empty data, data written by another
-    tokenizer than this run's ``tokenizer`` (default: the one the flags name), and any token id outside that
-    tokenizer's ids (the whole dataset's id range, cached beside its index), at every TP size; and flags that would
-    act on nothing in this data (``_refuse_idle_flags``)."""
-    if tokenizer is None:
-        try:
-            tokenizer = load_tokenizer(cfg)
-        except ValueError as e:  # TokenizerError
-            raise ConfigError(str(e)) from None
+    tokenizer than this run's ``tokenizer``, and any token id outside that tokenizer's ids (the whole dataset's id
+    range, cached beside its index), at every TP size; and flags that would act on nothing in this data
+    (``_refuse_idle_flags``; ``fim``: the run's FIM transform, None without --fim-rate)."""
     vocab_size = min(tokenizer.vocab_size, padded_vocab_size)  # the padding rows are no token's
     for flag, prefix in _prefixes(cfg):
         try:
@@ -103,7 +97,7 @@ def preflight_data(cfg: DataConfig, padded_vocab_size: int, tokenizer: Tokenizer
             check_token_ids(ds, vocab_size)
         except TokenIdError as e:
             raise ConfigError(f"{flag} {prefix}: {e}") from None
-        _refuse_idle_flags(cfg, flag, prefix, ds, tokenizer)
+        _refuse_idle_flags(cfg, flag, prefix, ds, tokenizer, fim)
 
 
 def num_samples(train: TrainConfig, plan: ParallelPlan) -> tuple[int, int, int]:
@@ -113,12 +107,15 @@ def num_samples(train: TrainConfig, plan: ParallelPlan) -> tuple[int, int, int]:
 
 
 def build_datasets(cfg: DataConfig, train: TrainConfig, plan: ParallelPlan, rank: int, vocab_size: int | None = None,
-                   tokenizer: Tokenizer | None = None):
+                   fim: FIM | None = None):
     """Rank 0 builds (and caches) the sample indices first; the others then read them from the cache.
 
-    ``vocab_size`` (the padded vocabulary): every sample's ids are checked against it as it is read. With --fim-rate
-    the training split is FIM-transformed (data/fim.py) with ``tokenizer`` (default: the one the flags name)."""
-    fim = fim_from_flags(cfg, tokenizer or load_tokenizer(cfg)) if cfg.fim_rate else None
+    ``vocab_size`` (the padded vocabulary): every sample's ids are checked against it as it is read. ``fim``: the
+    run's FIM transform of the training split (data/fim.py; pretrain.py builds it once from --fim-*), None: left to
+    right."""
+    if (fim is None) != (not cfg.fim_rate):  # a caller that forgot it would train left to right without a word
+        raise ValueError(f"build_datasets: --fim-rate {cfg.fim_rate} {'without' if fim is None else 'with'} a FIM "
+                         f"transform: pass the run's (data/fim.py fim_from_flags), None only at --fim-rate 0")
 
     def build():
         sizes = num_samples(train, plan)
@@ -207,7 +204,7 @@ def get_batch(batch: dict, device: torch.device, masking: DocumentMasking | None
 
     With ``cp`` (context parallelism) every rule reads the whole sequence first, then each (b, s) tensor keeps this
     rank's s/cp positions (positions stay global: the chunks' own), and ``loss_count`` holds the whole sequence's
-    unmasked tokens, so that the CP ranks' loss shares add up to the mean without a collective (stage.py)."""
+    unmasked tokens, so that the CP ranks' loss shares add up to the mean without a collective (engine_stage.py)."""
     text = batch["text"].to(device, non_blocking=True)  # (b, s + 1)
     tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
     out = {"input_ids": tokens, "labels": labels, "position_ids": position_ids(*tokens.shape, device),

@@ -7,11 +7,12 @@ all-reduce (MAX) of a few integers over the world, so every rank decides to stop
 its part of the same checkpoint, and exits 0. Deciding per rank would leave the ranks that did not see the
 signal waiting forever in the next iteration's collectives.
 
-After a stop by signal, rank 0 writes ``<save>/preempted`` holding the tag it saved, after ``latest``: the
-launchers report such a job as failed (DeepSpeed's per-node launcher exits 1 once it has been signalled, torchrun
-raises), so a wrapper reads the marker instead. The marker names the current ``latest`` only when this run stopped
-there by a signal: a run removes it when it starts training, and a launching script should remove it before the
-launch (a run that dies before training starts cannot). docs/clusters-preemption.md has the recipes.
+After a stop by signal, rank 0 writes ``<save>/preempted`` holding the tag it saved, after ``latest`` (the
+checkpoint manager does, ``checkpoint/manager.py``): the launchers report such a job as failed (DeepSpeed's per-node
+launcher exits 1 once it has been signalled, torchrun raises), so a wrapper reads the marker instead. The marker
+names the current ``latest`` only when this run stopped there by a signal: a run removes it when it starts training,
+and a launching script should remove it before the launch (a run that dies before training starts cannot).
+docs/clusters-preemption.md has the recipes.
 
 The numerical health flags ride in the same all-reduce: the loss lives only on the last pipeline stage's ranks
 (and differs between DP ranks), so a NaN seen there must stop the first stage's ranks too, at the same
@@ -21,16 +22,11 @@ iteration, before anyone saves.
 from __future__ import annotations
 
 import math
-import os
 import signal
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-# In --save: the tag of the checkpoint a stop by signal saved (the run's last), written after `latest`.
-PREEMPTED_MARKER = "preempted"
 
 # A first-bad iteration i travels as _FAR - i, so MAX over ranks picks the earliest one (0: none).
 _FAR = 2 ** 62
@@ -122,17 +118,6 @@ class NumericalHealth:
                     f"overflow at every loss scale), more than --max-consecutive-skipped-iterations "
                     f"{self.max_consecutive_skipped}")
         return None
-
-
-def write_preempted_marker(save_dir: str | os.PathLike, tag: str) -> None:
-    """``<save_dir>/preempted`` := ``tag``, atomically (after ``latest`` names ``tag``)."""
-    tmp = Path(save_dir) / f"{PREEMPTED_MARKER}.tmp"
-    tmp.write_text(tag)
-    os.replace(tmp, Path(save_dir) / PREEMPTED_MARKER)
-
-
-def clear_preempted_marker(save_dir: str | os.PathLike) -> None:
-    Path(save_dir, PREEMPTED_MARKER).unlink(missing_ok=True)
 
 
 class ExitConditions:

@@ -6,21 +6,18 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Iterator, Protocol
 
 import torch
 import torch.distributed as dist
 
-from codegeex_train.checkpoint.async_save import AsyncCheckpointer
-from codegeex_train.checkpoint.files import CheckpointError, read_latest
+from codegeex_train.checkpoint.manager import CheckpointManager
 from codegeex_train.checkpoint.train_state import TrainState
-from codegeex_train.checkpoint.deepspeed_checkpoint import save_checkpoint
 from codegeex_train.config.arguments import LoggingConfig, TrainConfig
 from codegeex_train.config.model_config import ModelConfig
-from codegeex_train.config.plan import ParallelPlan
+from codegeex_train.layout.plan import ParallelPlan
 from codegeex_train.distributed.topology import Topology
 from codegeex_train.metrics import memory_gb, redact_secrets, throughput_record
 from codegeex_train.pipeline import (
@@ -31,16 +28,10 @@ from codegeex_train.pipeline import (
     with_p2p_ops,
 )
 from codegeex_train.tensor_parallel import RNGStatesTracker
-from codegeex_train.training.batches import ContextParallelShare, DocumentMasking
-from codegeex_train.training.exit_conditions import (
-    ExitConditions,
-    NumericalHealth,
-    NumericalHealthError,
-    clear_preempted_marker,
-    write_preempted_marker,
-)
+from codegeex_train.training.batches import DocumentMasking
+from codegeex_train.training.exit_conditions import ExitConditions, NumericalHealth, NumericalHealthError
 from codegeex_train.training.profiling import Profiling
-from codegeex_train.training.stage import ChunkedEngineStage, EngineStage
+from codegeex_train.training.engine_stage import ChunkedEngineStage, EngineStage
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +83,7 @@ class Run:
     parts and what is plugged in (evaluation, measurement) as callbacks."""
 
     plan: ParallelPlan
-    model: ModelConfig  # the model's shape with the tokenizer's vocabulary (saved with every checkpoint)
+    model: ModelConfig  # the model's shape with the tokenizer's vocabulary
     train: TrainConfig  # iterations, intervals, saving, exit and numerical-health settings
     logging: LoggingConfig
     topology: Topology
@@ -102,8 +93,6 @@ class Run:
     logger: object  # MetricsLogger
     flops_per_iteration: float
     peak_flops_per_device: float | None = None  # for MFU; None on CPU
-    tokenizer_settings: dict | None = None  # what checkpoints record of the tokenizer (checkpoint.files)
-    resolved_config: str | None = None  # the run's flags as a config file (config/config_file.py), in checkpoints
     p2p: P2PCommunicator | None = None  # None: built from the topology and the plan's activation shape
     exit_conditions: ExitConditions | None = None  # SIGTERM / wall-clock stops; None: never
     measurement: Measurement | None = None  # None: nothing counted or measured
@@ -115,9 +104,9 @@ class Run:
     # Tests only (training/fault_injection.py): iteration -> a context the step runs in. None costs nothing.
     step_context: Callable[[int], ContextManager] | None = None
     profiling: Profiling | None = None  # --profile / --record-memory-history on this rank; None: neither
-    checkpointer: AsyncCheckpointer | None = None  # --async-save; None: every save is written before training goes on
-    # (save_dir, tag) -> None, run on every rank after each checkpoint becomes `latest` (deepspeed_checkpoint.commit_save)
-    after_commit: tuple[Callable[[str, str], None], ...] = ()
+    # --save: which steps save, sync or --async-save, retention, the preemption marker (checkpoint/manager.py); the
+    # default saves nothing
+    checkpoints: CheckpointManager = field(default_factory=CheckpointManager)
 
     def __post_init__(self) -> None:
         if self.p2p is None:
@@ -133,13 +122,9 @@ class Run:
         return self.topology.is_first_stage or self.topology.is_last_stage or masked
 
     def stage(self, batches: Iterator[dict] | None, first_forward_context=None) -> EngineStage:
-        plan = self.plan
-        v = plan.num_chunks
-        return (ChunkedEngineStage if v > 1 else EngineStage)(
-            self.engine, batches, is_first=self.topology.is_first_stage, is_last=self.topology.is_last_stage,
-            micro_batch_size=plan.micro_batch_size, seq_length=plan.seq_length, device=self.device,
-            num_microbatches=plan.num_microbatches, first_forward_context=first_forward_context, num_chunks=v,
-            masking=self.masking, cp=ContextParallelShare(self.topology.cp_rank, plan.cp_size))
+        return (ChunkedEngineStage if self.plan.num_chunks > 1 else EngineStage)(
+            self.engine, batches, self.plan, coords=self.topology.coords, device=self.device,
+            first_forward_context=first_forward_context, masking=self.masking)
 
     def schedule(self, *, train: bool = True, num_microbatches: int | None = None):
         """This rank's ops for one training step (1F1B, interleaved when v > 1) or a forward-only pass."""
@@ -166,12 +151,12 @@ def train_step(run: Run, batches: Iterator[dict] | None, probe: StepProbe | None
 
 
 def dp_mean(value: torch.Tensor, topology: Topology) -> float:
-    """Average over the ranks that saw different tokens, DP x CP (a collective and a host sync: only when
-    logging)."""
+    """Average over the ranks that saw different tokens (``data_shards``: DP x CP; a collective and a host sync: only
+    when logging)."""
     value = value.detach().float().clone()
-    size = topology.dims.dp_cp_size
+    size = topology.dims.data_shards
     if size > 1:
-        dist.all_reduce(value, group=topology.dp_cp_group)
+        dist.all_reduce(value, group=topology.data_shard_group)
     return value.item() / size
 
 
@@ -234,18 +219,8 @@ def _numerical_health(run: Run) -> NumericalHealth:
 
 def _health_error(run: Run, iteration: int, problem: str) -> NumericalHealthError:
     """The one message (logged by rank 0) naming the iteration and the last good checkpoint."""
-    t = run.train
-    if not t.save:
-        last_good = "none (no --save)"
-    elif not os.path.lexists(os.path.join(t.save, "latest")):
-        last_good = f"none ({t.save} has no 'latest')"
-    else:
-        try:  # never follows a link, never echoes what is not a tag
-            last_good = f"{read_latest(t.save)} in {t.save} (relaunch with --load {t.save} to resume from it)"
-        except CheckpointError as e:
-            last_good = f"unknown ({e})"
     message = redact_secrets(f"{problem}; stopped at iteration {iteration} without saving it. Last good checkpoint: "
-                             f"{last_good}")
+                             f"{run.checkpoints.last_good()}")
     if run.topology.rank == 0:
         logger.error(message)
     return NumericalHealthError(message)
@@ -266,28 +241,6 @@ def _checked_train_step(run: Run, batches, health: NumericalHealth, iteration: i
                             f"(fp16.min_loss_scale): the gradients overflow at every loss scale") from None
 
 
-def _save(run: Run, state: TrainState, saving: bool, last: bool, *, preempted: bool) -> str | None:
-    """The step boundary's checkpoint work on every rank alike; returns the tag that became `latest` here (None:
-    none). Sync: save when ``saving``. --async-save: first commit the save in flight if every rank has written it
-    (``last``: wait for it); then snapshot a new one when ``saving`` (waiting for one still in flight: at most one)
-    and, at the last iteration, wait for it too. Stopped by a signal with a save in flight, that save is the one
-    that completes and becomes `latest`: the kill window is spent on one write, not two."""
-    t, saver = run.train, run.checkpointer
-    committed = saver.commit(wait=last, after_commit=run.after_commit) if saver else None
-    if not saving or (preempted and committed is not None):
-        return committed
-    state.wandb_run_id = run.logger.wandb_run_id
-    if saver:
-        saver.commit(wait=True, after_commit=run.after_commit)
-    tag = save_checkpoint(run.engine, t.save, state, run.model, run.topology, run.tracker,
-                          tokenizer=run.tokenizer_settings, num_chunks=run.plan.num_chunks,
-                          resolved_config=run.resolved_config, background=saver and saver.writer,
-                          after_commit=run.after_commit)
-    if saver and last:
-        saver.commit(wait=True, after_commit=run.after_commit)
-    return tag if saver is None or last else committed
-
-
 def train(run: Run, state: TrainState, train_loader, valid_loader=None, test_loader=None) -> TrainState:
     with run.measurement.comm or _NoCount() as comm:
         return _train(run, state, train_loader, valid_loader, test_loader, comm)
@@ -303,8 +256,6 @@ def _train(run: Run, state: TrainState, train_loader, valid_loader, test_loader,
     exits = run.exit_conditions or ExitConditions(signal_handler=False, duration_mins=None, start_time=time.time(),
                                                   device=run.device)
     step_comm: dict[str, int] = {}
-    if t.save and run.topology.rank == 0:
-        clear_preempted_marker(t.save)  # from a stop by signal before: this run goes on from there
     # Measured once, at the run's second step: the first creates the optimizer's state.
     memory_iteration = min(start_iteration + 2, t.train_iters)
     while state.iteration < t.train_iters:
@@ -328,8 +279,7 @@ def _train(run: Run, state: TrainState, train_loader, valid_loader, test_loader,
         scheduled_last = state.iteration == t.train_iters or (
             t.exit_interval is not None and state.iteration - start_iteration >= t.exit_interval)
         # Iterations that log or save are always checked, whatever --check-for-nan-in-loss-and-grad says.
-        saves_on_schedule = bool(t.save and t.save_interval and state.iteration % t.save_interval == 0)
-        due = (scheduled_last or saves_on_schedule or state.iteration % log_interval == 0
+        due = (scheduled_last or run.checkpoints.saves_at(state.iteration) or state.iteration % log_interval == 0
                or state.iteration == start_iteration + 1 or health.too_many_skipped)
         stop_reason = exits.check(health, due=due)  # the same on every rank
         last = stop_reason is not None or scheduled_last
@@ -350,8 +300,7 @@ def _train(run: Run, state: TrainState, train_loader, valid_loader, test_loader,
         if run.profiling:  # after the timing: setting the profiler up and writing its trace are not the step's
             run.profiling.after_step(state.iteration)
         if failed:
-            if run.checkpointer:  # a save in flight is of an earlier, checked iteration: it becomes `latest` first
-                run.checkpointer.commit(wait=True, after_commit=run.after_commit)
+            run.checkpoints.finish()  # a save in flight is of an earlier, checked iteration: it becomes `latest` first
             raise _health_error(run, state.iteration, health.problem)
         if (valid_loader is not None and t.eval_interval and state.iteration % t.eval_interval == 0
                 and stop_reason is None):  # preempted: the grace period is for the checkpoint
@@ -366,11 +315,9 @@ def _train(run: Run, state: TrainState, train_loader, valid_loader, test_loader,
             metrics = run.evaluate_infilling(state.iteration)
             if metrics is not None:
                 run.logger.log({"iteration": state.iteration, "split": "infilling", **metrics})
-        saving = t.save and (last or (t.save_interval and state.iteration % t.save_interval == 0))
-        saved_tag = _save(run, state, saving, last, preempted=exits.stopped_by_signal) if t.save else None
+        # Saves on schedule and at the last iteration; stopped by a signal, rank 0 writes the `preempted` marker.
+        saved_tag = run.checkpoints.step(state, last=last, preempted=exits.stopped_by_signal)
         if stop_reason is not None and run.topology.rank == 0:
-            if t.save and exits.stopped_by_signal:  # after `latest` (save_checkpoint), before the line below
-                write_preempted_marker(t.save, saved_tag)
             saved = f"saved {saved_tag} to {t.save}" if t.save else "no --save: nothing saved"
             logger.info(f"{stop_reason}: stopping after iteration {state.iteration}; {saved}. Relaunch the same "
                         f"command (with --load) to resume.")

@@ -14,8 +14,8 @@ import pytest
 from codegeex_train import pretrain
 from codegeex_train.accounting import planner
 from codegeex_train.config.model_config import ModelConfig
-from codegeex_train.config.recompute import Recompute
-from codegeex_train.data.tokenizer import default_tokenizer
+from codegeex_train.layout.recompute import Recompute
+from codegeex_train.tokenization.tokenizer import default_tokenizer
 from tests.harness import run_distributed
 
 LAYOUTS = [(2, 2, 1), (1, 2, 2), (1, 2, 1)]  # (TP, PP, DP)
@@ -103,7 +103,7 @@ def test_planner_predicts_the_measured_run(runs, layout):
     dropout = float(DROPOUT[layout])
     model = ModelConfig(num_layers=LAYERS[layout], hidden_size=H, num_attention_heads=4, max_position_embeddings=64,
                         vocab_size=default_tokenizer().vocab_size, attention_dropout=dropout, hidden_dropout=dropout)  # what pretraining uses without --tokenizer-type
-    row = planner.estimate_layout(model, planner.Cluster(world_size=tp * pp * dp, gpus_per_node=4), seq_length=SEQ,
+    row = planner.estimate_layout(model, planner.Hardware(world_size=tp * pp * dp, gpus_per_node=4), seq_length=SEQ,
                                   global_batch_size=GLOBAL, tp=tp, pp=pp, micro_batch_size=MICRO,
                                   sequence_parallel="--sequence-parallel" in OPTIONS[layout],
                                   recompute=Recompute("selective") if "--sequence-parallel" in OPTIONS[layout]

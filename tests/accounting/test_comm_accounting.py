@@ -17,10 +17,10 @@ from codegeex_train.accounting.theory import (
     tp_bytes_per_microbatch,
 )
 from codegeex_train.config.model_config import ModelConfig
-from codegeex_train.config.recompute import Recompute
-from codegeex_train.config.plan import ParallelPlan
-from codegeex_train.distributed.topology import ParallelDims
-from codegeex_train.model.codegeex import CodeGeeXModel
+from codegeex_train.layout.recompute import Recompute
+from codegeex_train.layout.plan import ParallelPlan
+from codegeex_train.layout.dims import ParallelDims
+from codegeex_train.model import CodeGeeXModel, ModelGroups
 from codegeex_train.tensor_parallel import model_parallel_seed
 from tests.harness import run_distributed
 
@@ -54,13 +54,14 @@ def count_model_bytes(topo, shapes):
                              attention_dropout=0.0, top_query_layer=top_query)
         for sp in (False, True):
             tracker = model_parallel_seed(5, topo.tp_rank)
-            model = CodeGeeXModel(config, topo.tp_group, tracker, seed=5, sequence_parallel=sp,
-                                  recompute=recompute).train()
+            plan = ParallelPlan.derive(topo.dims, micro_batch_size=b, num_layers=layers, seq_length=s,
+                                       sequence_parallel=sp, recompute=recompute)
+            model = CodeGeeXModel(config, ModelGroups.from_topology(topo), plan, tracker, seed=5).train()
             ids = torch.randint(0, config.vocab_size, (b, s), generator=torch.Generator().manual_seed(1))
             positions = torch.arange(s).expand(b, s)
             with CommCounter(topo.named_groups(), record=True) as comm:
                 model(ids, positions, labels=ids).mean().backward()
-            w = Workload(config, ParallelPlan(topo.dims, b, 1, seq_length=s, sequence_parallel=sp, recompute=recompute))
+            w = Workload(config, plan)
             out.append((comm.take(), comm.calls, tp_bytes_per_microbatch(w), comm_bytes_per_step(w)["tp"]))
     return out
 
@@ -133,8 +134,8 @@ def test_saved_activations_match_theory_for_each_activation(activation):
     ids = torch.randint(0, 512, (b, s))
     with SavedActivations(model) as saved:
         model(ids, torch.arange(s).expand(b, s), labels=ids)
-    theory = activation_bytes_per_microbatch(Workload(config, ParallelPlan(ParallelDims(1), b, 1, seq_length=s),
-                                                      device="cpu"))
+    plan = ParallelPlan.derive(ParallelDims(1), micro_batch_size=b, num_layers=config.num_layers, seq_length=s)
+    theory = activation_bytes_per_microbatch(Workload(config, plan, device="cpu"))
     assert saved.bytes == pytest.approx(theory, rel=0.01)
 
 
@@ -168,6 +169,11 @@ def _config(layers, dropout):
                        attention_dropout=dropout)
 
 
+def _plan(tp, sp, recompute, layers):
+    return ParallelPlan.derive(ParallelDims(tp, tp), micro_batch_size=B, num_layers=layers, seq_length=S,
+                               sequence_parallel=sp, recompute=recompute)
+
+
 def measure_saved(topo, cases):
     """Bytes autograd saves for one micro-batch, per (case, depth); TP 2 cases on two TP 2 groups of the 4 ranks."""
     halves = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
@@ -177,8 +183,8 @@ def measure_saved(topo, cases):
         group = groups[tp]
         for layers in DEPTHS:
             tracker = model_parallel_seed(5, dist.get_rank(group))
-            model = CodeGeeXModel(_config(layers, dropout), group, tracker, seed=5, sequence_parallel=sp,
-                                  recompute=recompute).train()
+            model = CodeGeeXModel(_config(layers, dropout), ModelGroups(tp=group), _plan(tp, sp, recompute, layers),
+                                  tracker, seed=5).train()
             ids = torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(1))
             with SavedActivations(model) as saved:
                 loss = model(ids, torch.arange(S).repeat(B, 1), labels=ids)  # position ids as a batch has them
@@ -189,8 +195,7 @@ def measure_saved(topo, cases):
 
 def _theory(name, layers):
     tp, sp, recompute, dropout = CASES[name]
-    w = Workload(_config(layers, dropout), ParallelPlan(ParallelDims(tp, tp), B, 1, seq_length=S, sequence_parallel=sp,
-                                                        recompute=recompute), device="cpu")
+    w = Workload(_config(layers, dropout), _plan(tp, sp, recompute, layers), device="cpu")
     return activation_bytes_per_microbatch(w)
 
 
@@ -254,8 +259,9 @@ def test_theory_at_fp16_is_the_papers_formula(tp):
                          vocab_size=512, hidden_dropout=0.1, attention_dropout=0.1)
     for sp in (False, True) if tp > 1 else (False,):
         for recompute, selective in ((Recompute(), False), (SELECTIVE, True)):
-            w = Workload(config, ParallelPlan(ParallelDims(tp, tp), b, 1, seq_length=s, dtype="bf16",
-                                              sequence_parallel=sp, recompute=recompute), device="unfused")
+            plan = ParallelPlan.derive(ParallelDims(tp, tp), micro_batch_size=b, num_layers=1, seq_length=s,
+                                       dtype="bf16", sequence_parallel=sp, recompute=recompute)
+            w = Workload(config, plan, device="unfused")
             ours = layer_activation_bytes(w)
             statistics = ours.pop("layernorm_statistics")
             assert statistics == 16 * s * b // (tp if sp else 1)

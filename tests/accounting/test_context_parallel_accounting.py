@@ -16,7 +16,7 @@ import torch
 from codegeex_train.accounting import available, fit
 from codegeex_train.accounting.memory import SavedActivations
 from codegeex_train.accounting.planner import (
-    Cluster,
+    Hardware,
     context_parallel_sizes,
     estimate_layout,
     from_preset,
@@ -35,9 +35,9 @@ from codegeex_train.accounting.theory import (
 )
 from codegeex_train.config.arguments import parse_args, validate
 from codegeex_train.config.model_config import ModelConfig
-from codegeex_train.config.plan import ParallelPlan
-from codegeex_train.config.recompute import Recompute
-from codegeex_train.distributed.topology import ParallelDims
+from codegeex_train.layout.plan import ParallelPlan
+from codegeex_train.layout.recompute import Recompute
+from codegeex_train.layout.dims import ParallelDims
 from codegeex_train.model.codegeex import CodeGeeXModel
 from codegeex_train.tensor_parallel import model_parallel_seed
 
@@ -77,22 +77,27 @@ BEFORE = {
          (2357806080, 267386880, 110522160, 1000000000, 14102724608, 838860800))],
 }
 SELECTIVE = Recompute("selective")
+
+
+def _case(model, dims, micro, m, device, **kw):
+    """(model, its plan, device): the plan derived with the model's layers."""
+    return model, ParallelPlan.derive(dims, micro_batch_size=micro, num_microbatches=m, num_layers=model.num_layers,
+                                      **kw), device
+
+
 BEFORE_CASES = {
-    "TP 2 PP 2, SP + selective": (_tiny(), ParallelPlan(ParallelDims(4, 2, 2), 2, 4, seq_length=32,
-                                                        sequence_parallel=True, recompute=SELECTIVE), "cpu"),
-    "PP 2 DP 2, dropout": (_tiny(dropout=0.1), ParallelPlan(ParallelDims(4, 1, 2), 2, 2, seq_length=32), "cpu"),
-    "PP 2 v 2, dropout": (_tiny(dropout=0.1), ParallelPlan(ParallelDims(2, 1, 2), 2, 4, num_chunks=2, seq_length=32),
-                          "cpu"),
-    "TP 2 DP 2, full": (_tiny(), ParallelPlan(ParallelDims(4, 2, 1), 2, 2, seq_length=32, recompute=Recompute.full()),
-                        "cpu"),
-    "TP 4 SP, block 1, CUDA": (_tiny(dropout=0.1), ParallelPlan(ParallelDims(4, 4, 1), 2, 1, seq_length=32,
-                                                                sequence_parallel=True,
-                                                                recompute=Recompute("full", "block", 1)), "cuda"),
-    "13B TP 8 DP 192, full": (_13B, ParallelPlan(ParallelDims(1536, 8, 1), 16, 1, seq_length=2048, dtype="bf16",
-                                                 recompute=Recompute.full()), "unfused"),
-    "13B TP 4 PP 3 v 13, SP + selective": (_13B, ParallelPlan(ParallelDims(1536, 4, 3), 4, 6, num_chunks=13,
-                                                              seq_length=2048, dtype="bf16", sequence_parallel=True,
-                                                              recompute=SELECTIVE), "unfused"),
+    "TP 2 PP 2, SP + selective": _case(_tiny(), ParallelDims(4, 2, 2), 2, 4, "cpu", seq_length=32,
+                                       sequence_parallel=True, recompute=SELECTIVE),
+    "PP 2 DP 2, dropout": _case(_tiny(dropout=0.1), ParallelDims(4, 1, 2), 2, 2, "cpu", seq_length=32),
+    "PP 2 v 2, dropout": _case(_tiny(dropout=0.1), ParallelDims(2, 1, 2), 2, 4, "cpu", num_chunks=2, seq_length=32),
+    "TP 2 DP 2, full": _case(_tiny(), ParallelDims(4, 2, 1), 2, 2, "cpu", seq_length=32, recompute=Recompute.full()),
+    "TP 4 SP, block 1, CUDA": _case(_tiny(dropout=0.1), ParallelDims(4, 4, 1), 2, 1, "cuda", seq_length=32,
+                                    sequence_parallel=True, recompute=Recompute("full", "block", 1)),
+    "13B TP 8 DP 192, full": _case(_13B, ParallelDims(1536, 8, 1), 16, 1, "unfused", seq_length=2048, dtype="bf16",
+                                   recompute=Recompute.full()),
+    "13B TP 4 PP 3 v 13, SP + selective": _case(_13B, ParallelDims(1536, 4, 3), 4, 6, "unfused", num_chunks=13,
+                                                seq_length=2048, dtype="bf16", sequence_parallel=True,
+                                                recompute=SELECTIVE),
 }
 
 
@@ -112,7 +117,8 @@ def test_cp_1_predicts_what_it_did_before_cp(name):
 # --- the ring's bytes -------------------------------------------------------------------------------------------
 
 def _cp_workload(model, cp, tp=1, pp=1, dp=1, m=2, seq=S, device="cpu", **kw):
-    plan = ParallelPlan(ParallelDims(tp * cp * pp * dp, tp, pp, cp), B, m, seq_length=seq, hidden_size=H, **kw)
+    plan = ParallelPlan.derive(ParallelDims(tp * cp * pp * dp, tp, pp, cp), micro_batch_size=B, num_microbatches=m,
+                               num_layers=model.num_layers, seq_length=seq, hidden_size=H, **kw)
     return Workload(model, plan, device=device)
 
 
@@ -223,7 +229,8 @@ def test_ring_block_bytes_are_the_blocks_measured_peak(dropout):
                               check=True, cwd=Path(__file__).resolve().parents[2]).stdout)
     model = ModelConfig(num_layers=1, hidden_size=64, num_attention_heads=4, max_position_embeddings=4096,
                         vocab_size=256, attention_dropout=dropout)
-    w = Workload(model, ParallelPlan(ParallelDims(2, cp_size=2), 1, 1, seq_length=4096), device="cpu")
+    plan = ParallelPlan.derive(ParallelDims(2, cp_size=2), micro_batch_size=1, num_layers=1, seq_length=4096)
+    w = Workload(model, plan, device="cpu")
     assert peak == pytest.approx(ring_block_bytes(w), rel=0.05), peak / (4 * 4 * 2048 * 2048)
 
 
@@ -232,7 +239,8 @@ def test_ring_block_bytes_are_the_blocks_measured_peak(dropout):
 @pytest.mark.parametrize("pp", [1, 2])
 def test_rope_parameters_are_the_models(pp):
     model = _tiny(position_embedding_type="rope")
-    w = Workload(model, ParallelPlan(ParallelDims(pp, pp_size=pp), B, 1, seq_length=S))
+    w = Workload(model, ParallelPlan.derive(ParallelDims(pp, pp_size=pp), micro_batch_size=B,
+                                            num_layers=model.num_layers, seq_length=S))
     for stage in range(pp):
         net = CodeGeeXModel(model, None, None, pre_process=stage == 0, post_process=stage == pp - 1,
                             layer_numbers=w.plan.stage_layers[stage], device="meta")
@@ -253,12 +261,13 @@ def test_rope_saved_activations_equal_theory(recompute, dropout, percent):
     lookup's zeros index, no position ids on the first stage; torch's CPU attention keeps its own q, k, v, so the
     rotation adds nothing there (the fused kernel without dropout, the math path with it)."""
     model = _tiny(layers=2, dropout=dropout, position_embedding_type="rope", rotary_percent=percent)
-    net = CodeGeeXModel(model, None, model_parallel_seed(5, 0), seed=5, recompute=recompute).train()
+    plan = ParallelPlan.derive(ParallelDims(1), micro_batch_size=B, num_layers=2, seq_length=S, recompute=recompute)
+    net = CodeGeeXModel(model, None, plan, model_parallel_seed(5, 0), seed=5).train()
     ids = torch.randint(0, 256, (B, S), generator=torch.Generator().manual_seed(1))
     with SavedActivations(net) as saved:
         loss = net(ids, torch.arange(S).repeat(B, 1), labels=ids)
     loss.mean().backward()
-    w = Workload(model, ParallelPlan(ParallelDims(1), B, 1, seq_length=S, recompute=recompute), device="cpu")
+    w = Workload(model, plan, device="cpu")
     assert saved.bytes == activation_bytes_per_microbatch(w)
 
 
@@ -289,7 +298,7 @@ def test_cp_rows_are_layouts_training_accepts():
     rank's tokens."""
     model = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, max_position_embeddings=4096,
                         vocab_size=300)
-    rows = rank_layouts(model, Cluster(world_size=8, gpus_per_node=8), seq_length=4096, global_batch_size=8)
+    rows = rank_layouts(model, Hardware(world_size=8, gpus_per_node=8), seq_length=4096, global_batch_size=8)
     assert {r.cp_size for r in rows} == {1, 2, 4}
     for r in rows:
         d = r.plan.dims
@@ -310,8 +319,8 @@ def test_cp_traffic_and_time_in_a_row():
     model = ModelConfig(num_layers=4, hidden_size=256, num_attention_heads=8, max_position_embeddings=8192,
                         vocab_size=300)
     kw = dict(seq_length=8192, global_batch_size=8, tp=2, pp=1, micro_batch_size=1)
-    one = estimate_layout(model, Cluster(world_size=8), **kw)
-    two = estimate_layout(model, Cluster(world_size=8), cp=2, **kw)
+    one = estimate_layout(model, Hardware(world_size=8), **kw)
+    two = estimate_layout(model, Hardware(world_size=8), cp=2, **kw)
     assert one.plan.num_microbatches * 2 == two.plan.num_microbatches  # DP 4 -> 2: twice the micro-batches
     assert two.time_parts["compute"] == pytest.approx(one.time_parts["compute"])  # the same FLOPs per GPU per step
     assert two.comm_bytes["cp"] > 0 == one.comm_bytes["cp"]
@@ -373,7 +382,8 @@ def test_the_memory_check_suggests_cp():
     """A long-sequence run that does not fit one GPU is told the CP that makes it fit, among the other fixes."""
     model = ModelConfig(num_layers=8, hidden_size=1024, num_attention_heads=16, max_position_embeddings=16384,
                         vocab_size=300, attention_dropout=0.0, hidden_dropout=0.0)
-    plan = ParallelPlan(ParallelDims(8), 1, 1, seq_length=16384, hidden_size=1024, dtype="bf16")
+    plan = ParallelPlan.derive(ParallelDims(8), micro_batch_size=1, num_layers=8, seq_length=16384, hidden_size=1024,
+                               dtype="bf16")
     w = Workload(model, plan, device="cuda")
     gpu = available.Available(int(fit.rank_need(w, 0).device * 0.6), "test's GPU")
     host = fit.Host(rank=0, local_world_size=8, local_rank=0, device="cuda")

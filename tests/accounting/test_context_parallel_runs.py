@@ -15,10 +15,10 @@ import pytest
 from codegeex_train import pretrain
 from codegeex_train.accounting.theory import Workload, activation_bytes_per_microbatch
 from codegeex_train.config.model_config import ModelConfig
-from codegeex_train.config.plan import ParallelPlan
-from codegeex_train.config.recompute import Recompute
-from codegeex_train.data.tokenizer import default_tokenizer
-from codegeex_train.distributed.topology import ParallelDims
+from codegeex_train.layout.plan import ParallelPlan
+from codegeex_train.layout.recompute import Recompute
+from codegeex_train.tokenization.tokenizer import default_tokenizer
+from codegeex_train.layout.dims import ParallelDims
 from tests.harness import run_distributed
 
 pytestmark = pytest.mark.slow  # four 4-rank runs; the formulas' fast tests: test_context_parallel_accounting.py
@@ -103,8 +103,9 @@ def test_saved_activations_per_rank_equal_theory(runs, layout):
                             layout, "--hidden-dropout", "0.1")), attention_dropout=dropout,
                         position_embedding_type=_flag(layout, "--position-embedding-type", "learned_absolute"))
     recompute = Recompute(_flag(layout, "--recompute-granularity", None))
-    whole = Workload(model, ParallelPlan(ParallelDims(tp * pp * dp, tp, pp), MICRO, GLOBAL // (MICRO * dp),
-                                         seq_length=SEQ, hidden_size=H, sequence_parallel=tp > 1, recompute=recompute),
-                     device="cpu")
+    plan = ParallelPlan.derive(ParallelDims(tp * pp * dp, tp, pp), micro_batch_size=MICRO, global_batch_size=GLOBAL,
+                               num_layers=LAYERS, seq_length=SEQ, hidden_size=H, sequence_parallel=tp > 1,
+                               recompute=recompute)
+    whole = Workload(model, plan, device="cpu")
     ratio = measured / activation_bytes_per_microbatch(whole, pp - 1)  # the last stage: one micro-batch in flight
     assert ratio == pytest.approx(1 / cp, rel=0.05), (ratio, cp)

@@ -18,12 +18,12 @@ from codegeex_train.accounting.theory import (
     tp_bytes_per_microbatch,
 )
 from codegeex_train.config.model_config import ModelConfig
-from codegeex_train.config.recompute import Recompute
-from codegeex_train.config.plan import ParallelPlan
-from codegeex_train.distributed.topology import ParallelDims
+from codegeex_train.layout.recompute import Recompute
+from codegeex_train.layout.plan import ParallelPlan
+from codegeex_train.layout.dims import ParallelDims
 from codegeex_train.model.codegeex import CodeGeeXModel
 from codegeex_train.pipeline import interleaved_one_f_one_b, run_schedule, with_p2p_ops
-from codegeex_train.pipeline.stages import rank_chunk_layers
+from codegeex_train.layout.stages import rank_chunk_layers
 
 B, S, H = 2, 32, 32
 
@@ -35,7 +35,8 @@ def _config(layers, dropout=0.1):
 
 
 def _workload(layers, tp=1, pp=2, v=2, m=4, **kw):
-    plan = ParallelPlan(ParallelDims(tp * pp, tp, pp), B, m, num_chunks=v, seq_length=S, **kw)
+    plan = ParallelPlan.derive(ParallelDims(tp * pp, tp, pp), micro_batch_size=B, num_microbatches=m, num_layers=layers,
+                               num_chunks=v, seq_length=S, **kw)
     return Workload(_config(layers), plan, device="cpu")
 
 
@@ -84,7 +85,8 @@ def test_activations_in_flight_replay_the_executor(pp, v, m):
 
 
 def test_one_chunk_keeps_1f1b():
-    w = Workload(_config(4), ParallelPlan(ParallelDims(4, 1, 4), B, 3, seq_length=S), device="cpu")
+    w = Workload(_config(4), ParallelPlan.derive(ParallelDims(4, 1, 4), micro_batch_size=B, num_microbatches=3,
+                                                 num_layers=4, seq_length=S), device="cpu")
     for r in range(4):
         held = activation_bytes_per_microbatch(w, r) * min(4 - r, 3)
         assert microbatches_in_flight(w, r) == min(4 - r, 3) and memory_per_rank(w, r).activations == held
@@ -109,7 +111,8 @@ def test_each_chunk_saves_what_theory_says():
     through the four virtual stages: ChunkActivations measures each chunk's forward, equal to theory (to the byte
     with torch 2.13 on CPU)."""
     config, pp, v = _config(8), 2, 2
-    w = Workload(config, ParallelPlan(ParallelDims(pp, 1, pp), B, pp, num_chunks=v, seq_length=S), device="cpu")
+    w = Workload(config, ParallelPlan.derive(ParallelDims(pp, 1, pp), micro_batch_size=B, num_microbatches=pp,
+                                             num_layers=8, num_chunks=v, seq_length=S), device="cpu")
     chunks = rank_chunk_layers(8, pp, v)
     models = [CodeGeeXModel(config, None, None, seed=5, pre_process=r == 0, post_process=r == pp - 1,
                             chunk_layers=chunks[r]).train() for r in range(pp)]

@@ -23,7 +23,7 @@ from codegeex_train.accounting import available, fit
 from codegeex_train.accounting.theory import Workload
 from codegeex_train.config.arguments import DataConfig, parse_args, validate
 from codegeex_train.data.gpt_dataset import build_sample_index
-from codegeex_train.data.tokenizer import DEFAULT_TOKENIZER_PATH
+from codegeex_train.tokenization.tokenizer import DEFAULT_TOKENIZER_PATH
 from tests.harness import fails_with, tiny_model_args, write_indexed_dataset
 from codegeex_train.training.batches import num_samples
 

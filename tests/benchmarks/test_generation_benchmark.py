@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from codegeex_train.checkpoint.files import save_model_checkpoint
-from codegeex_train.data.tokenizer import default_tokenizer
+from codegeex_train.tokenization.tokenizer import default_tokenizer
 from codegeex_train.generation import HUMANEVAL_STOP, Generator
 from codegeex_train.model import CodeGeeXModel, ModelConfig
 

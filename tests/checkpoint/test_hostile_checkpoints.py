@@ -17,7 +17,6 @@ import subprocess
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from codegeex_train import pretrain
 from codegeex_train.checkpoint import deepspeed_checkpoint as training_checkpoints
@@ -29,7 +28,7 @@ from codegeex_train.checkpoint.safe_load import (
     verify_checkpoint_dir,
 )
 from codegeex_train.checkpoint.universal import FORMAT, read_universal_meta
-from tests.harness import RankFailure, deadline, run_distributed, tiny_model_args, tiny_pretrain_args
+from tests.harness import RankFailure, deadline, fails_with, run_distributed, tiny_model_args, tiny_pretrain_args
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MODEL = tiny_model_args()
@@ -46,23 +45,6 @@ class TouchOnUnpickle:
         return pathlib.Path.touch, (self.marker,)
 
 
-
-
-def one_error_line(capsys, argv, *fragments, code=2) -> str:
-    """``pretrain.main(argv)`` ends with exit ``code`` and exactly one stderr line, starting ``error: ``."""
-    with pytest.raises(SystemExit) as exc:
-        pretrain.main(argv)
-    assert exc.value.code == code
-    out, err = capsys.readouterr()
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert "Traceback" not in out + err
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-    assert not dist.is_initialized()
-    return lines[0]
-
-
 def load_argv(data, load):
     return MODEL + ["--data-path", data, "--load", str(load), "--micro-batch-size", "2", "--global-batch-size", "8"]
 
@@ -75,12 +57,12 @@ def test_latest_linked_to_secrets_is_refused_without_echoing_them(tmp_path, tiny
     ckpt = tmp_path / "ckpt"
     (ckpt / "iter_0000001").mkdir(parents=True)
     (ckpt / "latest").symlink_to(secrets)
-    line = one_error_line(capsys, load_argv(tiny_data, ckpt), f"{ckpt}/latest", "symbolic link")
+    line = fails_with(capsys, load_argv(tiny_data, ckpt), f"{ckpt}/latest", "symbolic link")
     assert "hf_s3cr3t" not in line
     # The same secrets as a regular file: not a tag, its size said, its content not.
     (ckpt / "latest").unlink()
     shutil.copy(secrets, ckpt / "latest")
-    line = one_error_line(capsys, load_argv(tiny_data, ckpt), "is not a checkpoint tag", f"{secrets.stat().st_size} bytes")
+    line = fails_with(capsys, load_argv(tiny_data, ckpt), "is not a checkpoint tag", f"{secrets.stat().st_size} bytes")
     assert "hf_s3cr3t" not in line and "PATH" not in line
     # Large, or a FIFO (never opened for a blocking read), or a directory.
     (ckpt / "latest").write_text("iter_" + "0" * 10_000)
@@ -118,7 +100,7 @@ def test_symlinked_tag_directory_is_not_walked(tmp_path, tiny_data, capsys):
     (ckpt / "iter_0000001").symlink_to("/")  # os.walk(followlinks=True) would walk the whole filesystem
     (ckpt / "latest").write_text("iter_0000001")
     with deadline(10):
-        one_error_line(capsys, load_argv(tiny_data, ckpt), "iter_0000001 is a symbolic link, not a directory")
+        fails_with(capsys, load_argv(tiny_data, ckpt), "iter_0000001 is a symbolic link, not a directory")
 
 
 def test_fifo_named_pt_is_never_opened(tmp_path, tiny_data, capsys):
@@ -128,7 +110,7 @@ def test_fifo_named_pt_is_never_opened(tmp_path, tiny_data, capsys):
     fifo = ckpt / "iter_0000001" / "mp_rank_00_model_states.pt"
     os.mkfifo(fifo)  # a plain open() of it would wait for a writer forever
     with deadline(10):
-        one_error_line(capsys, load_argv(tiny_data, ckpt), str(fifo), "is a FIFO, not a regular file")
+        fails_with(capsys, load_argv(tiny_data, ckpt), str(fifo), "is a FIFO, not a regular file")
         with pytest.raises(CheckpointError, match="it is a FIFO, not a regular file"):
             safe_torch_load(fifo)
     fifo.unlink()
@@ -279,7 +261,7 @@ def test_crafted_deepspeed_files_are_one_error_line(trained, tiny_data, tmp_path
     assert expected in exc.value.code and "\n" not in exc.value.code
     capsys.readouterr()
     monkeypatch.setenv("WORLD_SIZE", "1")  # --load at the layout it was saved at: only the crafted file is wrong
-    one_error_line(capsys, load_argv(tiny_data, ckpt), f"error: --load {ckpt}: {tag_dir / name}: ", expected)
+    fails_with(capsys, load_argv(tiny_data, ckpt), f"error: --load {ckpt}: {tag_dir / name}: ", expected)
 
 
 # --- crafted universal.json ----------------------------------------------------------------------------------------
@@ -346,7 +328,7 @@ def test_crafted_universal_json_is_one_error_line(tmp_path, tiny_data, capsys, c
     else:
         meta = change(meta) or meta
         path.write_text(json.dumps(meta))
-    one_error_line(capsys, load_argv(tiny_data, ckpt), f"error: --load {ckpt}: ", expected)
+    fails_with(capsys, load_argv(tiny_data, ckpt), f"error: --load {ckpt}: ", expected)
 
 
 def test_crafted_universal_tensors_are_one_error_line(tmp_path, tiny_data, capsys):
@@ -359,10 +341,10 @@ def test_crafted_universal_tensors_are_one_error_line(tmp_path, tiny_data, capsy
     for state in ("fp32", "exp_avg", "exp_avg_sq"):
         save_file({"w": torch.zeros(2, 3)}, str(ckpt / tag / f"{state}.safetensors"))
     (ckpt / tag / "exp_avg.safetensors").write_bytes(b"\xff" * 64)
-    one_error_line(capsys, load_argv(tiny_data, ckpt), "exp_avg.safetensors is not a readable safetensors file")
+    fails_with(capsys, load_argv(tiny_data, ckpt), "exp_avg.safetensors is not a readable safetensors file")
     save_file({"w": torch.zeros(3, 2)}, str(ckpt / tag / "exp_avg.safetensors"))
-    one_error_line(capsys, load_argv(tiny_data, ckpt), "exp_avg.safetensors and fp32.safetensors hold different "
-                                                       "tensors (e.g. w)")
+    fails_with(capsys, load_argv(tiny_data, ckpt), "exp_avg.safetensors and fp32.safetensors hold different "
+                                                   "tensors (e.g. w)")
 
 
 def test_universal_json_and_tensors_must_be_regular_files(tmp_path):

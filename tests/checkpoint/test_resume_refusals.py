@@ -27,8 +27,8 @@ from codegeex_train.checkpoint.resume import ResumeKind
 from codegeex_train.checkpoint.sharding import split_model_parallel
 from codegeex_train.config.model_config import ModelConfig
 from codegeex_train.model.codegeex import CodeGeeXModel
-from codegeex_train.data.tokenizer import DEFAULT_TOKENIZER_PATH
-from tests.harness import another_tokenizer, load_tool, run_distributed, run_pretrain, tiny_pretrain_args
+from codegeex_train.tokenization.tokenizer import DEFAULT_TOKENIZER_PATH
+from tests.harness import another_tokenizer, fails_with, load_tool, run_distributed, run_pretrain, tiny_pretrain_args
 
 TP2 = ("--tensor-model-parallel-size", "2")
 TAG = "iter_0000002"
@@ -63,25 +63,6 @@ def argv(data, load, *extra):
     return tiny_pretrain_args(data, "out", 4, *TP2, "--lr-decay-iters", "2", "--load", str(load), *extra)
 
 
-def refused(capsys, monkeypatch, argv, *fragments) -> str:
-    """``pretrain.main(argv)`` exits 2 with one ``error:`` line holding ``fragments``, before any process group."""
-    def joined(*args, **kwargs):
-        raise AssertionError("the preflight let it through: the run went on to join a process group")
-
-    monkeypatch.setattr(pretrain, "init_distributed", joined)
-    with pytest.raises(SystemExit) as e:
-        pretrain.main(argv)
-    assert e.value.code == 2
-    out, err = capsys.readouterr()
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert "Traceback" not in out + err
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-    assert not dist.is_initialized()
-    return lines[0]
-
-
 def accepted(argv):
     """What the preflight lets this run restore (``Resume``), checked without any process group."""
     resume = pretrain.prepare(argv).resume
@@ -98,27 +79,27 @@ def edit(path, change) -> None:
 # --- a training checkpoint missing a part: refused, unless the flags say to load less ----------------------------
 
 @pytest.mark.parametrize("lost", [(0, 1), (1,)], ids=["every_optimizer_file", "one_rank_optimizer_file"])
-def test_missing_optimizer_files_refused_unless_no_load_optim(copy, tiny_data, capsys, monkeypatch, lost):
+def test_missing_optimizer_files_refused_unless_no_load_optim(copy, tiny_data, capsys, lost):
     ckpt = copy()
     for mp_rank in lost:
         (ckpt / TAG / ZERO.format(mp_rank)).unlink()
-    refused(capsys, monkeypatch, argv(tiny_data, ckpt), f"--load {ckpt}: {ckpt / TAG} lacks the ZeRO optimizer file",
-            ZERO.format(1), f"({len(lost)} of 2: DP 1 x 2 model-parallel ranks", *LOAD_LESS)
+    fails_with(capsys, argv(tiny_data, ckpt), f"--load {ckpt}: {ckpt / TAG} lacks the ZeRO optimizer file",
+               ZERO.format(1), f"({len(lost)} of 2: DP 1 x 2 model-parallel ranks", *LOAD_LESS)
     resume = accepted(argv(tiny_data, ckpt, "--no-load-optim"))  # the iteration, LR schedule and RNG continue
     assert (resume.kind, resume.load_optim, resume.finetune) == (ResumeKind.TRAINING, False, False)
     resume = accepted(argv(tiny_data, ckpt, "--finetune"))
     assert (resume.kind, resume.finetune) == (ResumeKind.TRAINING, True)
 
 
-def test_missing_model_file_refused_whatever_the_flags(copy, tiny_data, capsys, monkeypatch):
+def test_missing_model_file_refused_whatever_the_flags(copy, tiny_data, capsys):
     ckpt = copy()
     (ckpt / TAG / MODEL.format(1)).unlink()
     for flags in ((), ("--no-load-optim",), ("--finetune",)):
-        refused(capsys, monkeypatch, argv(tiny_data, ckpt, *flags), f"{ckpt / TAG} lacks {MODEL.format(1)} (1 of its 2 "
-                "model files: TP 2 x PP 1, as its metadata records)", "no flag loads", f"{ckpt}/latest")
+        fails_with(capsys, argv(tiny_data, ckpt, *flags), f"{ckpt / TAG} lacks {MODEL.format(1)} (1 of its 2 "
+                   "model files: TP 2 x PP 1, as its metadata records)", "no flag loads", f"{ckpt}/latest")
 
 
-def test_missing_training_state_refused_unless_finetune(copy, tiny_data, capsys, monkeypatch):
+def test_missing_training_state_refused_unless_finetune(copy, tiny_data, capsys):
     """Model files of a training run without its training state (and without the ZeRO files, as a weights-only
     checkpoint would be): its DeepSpeed fields still tell what it is."""
     ckpt = copy()
@@ -126,8 +107,8 @@ def test_missing_training_state_refused_unless_finetune(copy, tiny_data, capsys,
         (ckpt / TAG / ZERO.format(mp_rank)).unlink()
         edit(ckpt / TAG / MODEL.format(mp_rank), lambda state: state[META_KEY].pop("train_state"))
     for flags in ((), ("--no-load-optim",)):
-        refused(capsys, monkeypatch, argv(tiny_data, ckpt, *flags), "records no training state",
-                "DeepSpeed's fields in the model file", "pass --finetune")
+        fails_with(capsys, argv(tiny_data, ckpt, *flags), "records no training state",
+                   "DeepSpeed's fields in the model file", "pass --finetune")
     resume = accepted(argv(tiny_data, ckpt, "--finetune"))
     assert (resume.kind, resume.finetune) == (ResumeKind.TRAINING, True)
 
@@ -174,18 +155,18 @@ DISAGREEING = {  # damage, what the line says, the flags it names
 
 
 @pytest.mark.parametrize("case", sorted(DISAGREEING))
-def test_train_state_disagreeing_with_the_files_is_refused(copy, tiny_data, capsys, monkeypatch, case):
+def test_train_state_disagreeing_with_the_files_is_refused(copy, tiny_data, capsys, case):
     damage, message, flags = DISAGREEING[case]
     ckpt = copy()
     damage(ckpt)
-    refused(capsys, monkeypatch, argv(tiny_data, ckpt), message, *flags)
+    fails_with(capsys, argv(tiny_data, ckpt), message, *flags)
 
 
-def test_no_load_flags_refused_at_weights_only(copy, tiny_data, capsys, monkeypatch):
+def test_no_load_flags_refused_at_weights_only(copy, tiny_data, capsys):
     ckpt = copy("weights")
     for flag in ("--no-load-optim", "--no-load-rng"):
-        refused(capsys, monkeypatch, argv(tiny_data, ckpt, flag), f"{flag}: --load {ckpt} ({TAG}) holds model weights "
-                "only, no training state to continue", f"drop {flag}")
+        fails_with(capsys, argv(tiny_data, ckpt, flag), f"{flag}: --load {ckpt} ({TAG}) holds model weights "
+                   "only, no training state to continue", f"drop {flag}")
     assert accepted(argv(tiny_data, ckpt, "--finetune")).kind is ResumeKind.WEIGHTS
 
 
@@ -219,7 +200,7 @@ NARROWED = "parameter word_embeddings.weight has shape ({rows}, 16) in the check
      "it holds parameter layers.2.input_layernorm.weight, which the model built from the flags lacks"),
     ("universal", (), _narrow_word_table, NARROWED.format(rows=8192)),
 ], ids=["training", "training_finetune", "weights", "weights_missing_name", "weights_extra_name", "universal"])
-def test_tensor_of_another_shape_is_one_line(copy, tiny_data, capsys, monkeypatch, kind, flags, damage, message):
+def test_tensor_of_another_shape_is_one_line(copy, tiny_data, capsys, kind, flags, damage, message):
     """The recorded model is the flags' (that check passes): the tensors themselves differ."""
     ckpt = copy(kind)
     if kind == "universal":
@@ -228,14 +209,14 @@ def test_tensor_of_another_shape_is_one_line(copy, tiny_data, capsys, monkeypatc
     else:
         edit(ckpt / TAG / MODEL.format(0), lambda state: damage(state["module"]))
         where = ckpt / TAG / MODEL.format(0)
-    refused(capsys, monkeypatch, argv(tiny_data, ckpt, *flags), f"error: --load {ckpt}: {where}: {message}; its "
-            "metadata records the model of these flags")
+    fails_with(capsys, argv(tiny_data, ckpt, *flags), f"error: --load {ckpt}: {where}: {message}; its "
+               "metadata records the model of these flags")
 
 
-def test_model_of_other_flags_names_the_checkpoints_flags(copy, tiny_data, capsys, monkeypatch):
+def test_model_of_other_flags_names_the_checkpoints_flags(copy, tiny_data, capsys):
     ckpt = copy()
-    refused(capsys, monkeypatch, argv(tiny_data, ckpt, "--hidden-size", "64", "--no-top-query-layer"),
-            "hidden_size: checkpoint 32, this run 64", "(--hidden-size 32, --top-query-layer)")
+    fails_with(capsys, argv(tiny_data, ckpt, "--hidden-size", "64", "--no-top-query-layer"),
+               "hidden_size: checkpoint 32, this run 64", "(--hidden-size 32, --top-query-layer)")
 
 
 def test_zero_files_of_another_model_are_refused(saved):
@@ -262,17 +243,17 @@ def unrecorded_data(tiny_data, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["training", "universal"])
-def test_another_tokenizer_is_refused_on_resume(copy, unrecorded_data, capsys, monkeypatch, tmp_path, kind):
+def test_another_tokenizer_is_refused_on_resume(copy, unrecorded_data, capsys, tmp_path, kind):
     """A tokenizer of the same size (the same padded vocabulary, so the same shapes) whose ids mean other tokens is
     refused; the checkpoint's tokenizer by another path (a Hugging Face directory) resumes."""
     ckpt = copy(kind)
     other = another_tokenizer(tmp_path / "other")
-    line = refused(capsys, monkeypatch, argv(unrecorded_data, ckpt, "--tokenizer-type", "HFTokenizer",
-                                             "--tokenizer-model", other, "--whitespace-encoding"),
-                   f"--load {ckpt} ({TAG}) was trained with another tokenizer than this run's: the shipped default "
-                   "(with whitespace encoding), fingerprint ", f", 8192 ids; this run's is HFTokenizer {other}, "
-                   "whitespace encoding, which has fingerprint ", " over those ids: pass no tokenizer flags (the "
-                   "shipped default), as the run that saved it did")
+    line = fails_with(capsys, argv(unrecorded_data, ckpt, "--tokenizer-type", "HFTokenizer",
+                                   "--tokenizer-model", other, "--whitespace-encoding"),
+                      f"--load {ckpt} ({TAG}) was trained with another tokenizer than this run's: the shipped default "
+                      "(with whitespace encoding), fingerprint ", f", 8192 ids; this run's is HFTokenizer {other}, "
+                      "whitespace encoding, which has fingerprint ", " over those ids: pass no tokenizer flags (the "
+                      "shipped default), as the run that saved it did")
     assert len(set(re.findall(r"fingerprint ([0-9a-f]{16})", line))) == 2
     hf = tmp_path / "hf"
     hf.mkdir()

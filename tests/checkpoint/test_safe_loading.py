@@ -24,7 +24,7 @@ from codegeex_train.checkpoint.safe_load import (
 )
 from codegeex_train.config.model_config import ModelConfig
 from codegeex_train.model.codegeex import CodeGeeXModel
-from tests.harness import run_distributed, tiny_model_args
+from tests.harness import fails_with, run_distributed, tiny_model_args
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONVERT = ROOT / "tools" / "convert_checkpoint.py"
@@ -140,12 +140,9 @@ def test_load_refuses_a_tampered_checkpoint(real_checkpoint, tiny_data, tmp_path
     monkeypatch.setenv("WORLD_SIZE", "2")  # the layout it was saved at: only the tampering is wrong
     argv = MODEL + ["--data-path", tiny_data, "--load", str(ckpt), "--micro-batch-size", "2", "--global-batch-size",
                     "4", "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"]
-    with pytest.raises(SystemExit) as exc:
-        pretrain.main(argv)
-    assert exc.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"error: --load {ckpt}: "), err
-    assert_refused_one_line(err[0], ckpt / tag / victim)
+    line = fails_with(capsys, argv)
+    assert line.startswith(f"error: --load {ckpt}: "), line
+    assert_refused_one_line(line, ckpt / tag / victim)
     assert not marker.exists() and not dist.is_initialized()
 
 

@@ -15,7 +15,7 @@ from launch_helpers import ROOT, finish, script_env, start_script, train_losses
 
 from codegeex_train import pretrain
 from codegeex_train.distributed.cluster import RankPlace, cluster_report
-from codegeex_train.distributed.topology import ParallelDims
+from codegeex_train.layout.dims import ParallelDims
 from tests.harness import free_port, read_metrics, run_distributed
 
 pytestmark = pytest.mark.slow  # every test in this file is in the slow tier (tests/conftest.py)

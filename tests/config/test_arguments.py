@@ -171,7 +171,7 @@ def test_virtual_pipeline_layout():
 # --- Sequence parallelism and recompute (--sequence-parallel, --recompute-*) ------------------------------------
 
 def test_recompute_flags_give_one_recompute():
-    from codegeex_train.config.recompute import Recompute
+    from codegeex_train.layout.recompute import Recompute
 
     def recompute(*argv):
         return validate(args_for("--num-layers", "4", *argv), 1).recompute

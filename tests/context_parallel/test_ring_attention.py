@@ -27,7 +27,7 @@ from codegeex_train.context_parallel import (
     split_for_context_parallel,
 )
 from codegeex_train.context_parallel.ring_attention import ring_attention
-from codegeex_train.tensor_parallel import MODEL_PARALLEL_RNG, RNGStatesTracker, checkpoint
+from codegeex_train.tensor_parallel import MODEL_PARALLEL_RNG, RNGStatesTracker, recompute_activations
 from tests.harness import run_distributed
 
 B, HEADS, D = 2, 3, 8  # batch 2, several heads
@@ -145,12 +145,12 @@ def _dropout(group, r, n, q, k, v, dout) -> dict:
 
 
 def _recompute(group, r, q, k, v, dout) -> dict:
-    """Under ``checkpoint`` (forward run twice, RNG streams restored) the gradients are those of the plain run."""
+    """Under ``recompute_activations`` (forward run twice, RNG streams restored) the gradients are those of the plain run."""
     plain = _run(group, q, k, v, dout, dropout_p=DROPOUT, rng_tracker=_tracker(200 + r))
     tracker = _tracker(200 + r)
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     with CommCounter({"cp": group}) as comm:
-        out = checkpoint(lambda *qkv: ring_attention(*qkv, group, dropout_p=DROPOUT, rng_tracker=tracker),
+        out = recompute_activations(lambda *qkv: ring_attention(*qkv, group, dropout_p=DROPOUT, rng_tracker=tracker),
                          tracker, q, k, v)
         forward = comm.take().get("cp", 0)
         out.backward(dout)

@@ -10,12 +10,12 @@ import pytest
 
 from codegeex_train.checkpoint.files import checkpoint_fim, checkpoint_tokenizer, tokenizer_settings
 from codegeex_train.config.arguments import DataConfig
-from codegeex_train.data.code_tokens import code_tokens
-from codegeex_train.data.default_corpus import default_corpus_files
+from codegeex_train.tokenization.code_tokens import code_tokens, held_code_tokens
+from codegeex_train.preprocessing.default_corpus import default_corpus_files
 from codegeex_train.data.fim import FIM, FIMDataset, fim_from_flags, sample_rng
 from codegeex_train.data.gpt_dataset import build_train_valid_test_datasets
 from codegeex_train.data.sampler import build_pretraining_data_loader
-from codegeex_train.data.tokenizer import default_tokenizer, load_tokenizer
+from codegeex_train.tokenization.tokenizer import default_tokenizer, load_tokenizer
 from tests.harness import write_indexed_dataset
 
 SEQ_LENGTH, NUM_SAMPLES, SEED = 64, 10_000, 1234
@@ -285,8 +285,33 @@ def test_only_the_training_split_is_transformed(code_corpus, tok):
 def test_a_split_sample_that_is_not_a_file_separator_token_is_refused(tok, value, message):
     flags = SimpleNamespace(fim_rate=0.5, fim_spm_rate=0.5, fim_split_sample=value, fim_fragment_rate=None)
     with pytest.raises(ValueError, match=message) as e:
-        fim_from_flags(flags, default_tokenizer())
+        fim_from_flags(flags, tok[0])  # a run's tokenizer: load_tokenizer added the sentinels
     assert str(e.value).startswith("--fim-split-sample") and "\n" not in str(e.value)
+
+
+def test_fim_takes_the_sentinels_the_run_tokenizer_holds_and_adds_none():
+    """The sentinels are added in one place (load_tokenizer under --fim-rate); building the FIM transform only reads
+    them, and a tokenizer without them is refused, left as it was."""
+    flags = DataConfig(fim_rate=0.5)
+    run = load_tokenizer(flags)
+    assert fim_from_flags(flags, run).tokens == held_code_tokens(run) == code_tokens(run)
+    plain = default_tokenizer()
+    assert held_code_tokens(plain) is None
+    with pytest.raises(ValueError, match="^--fim-rate: the tokenizer lacks the FIM sentinels"):
+        fim_from_flags(flags, plain)
+    assert plain.vocab_size == 8192 and held_code_tokens(plain) is None
+
+
+def test_the_datasets_take_the_runs_fim_or_refuse():
+    """pretrain.py builds the FIM transform once and hands it to the datasets; one left out (or handed at --fim-rate
+    0) would change what trains without a word, so it is refused before anything is built."""
+    from codegeex_train.training.batches import build_datasets
+
+    flags = DataConfig(fim_rate=0.5)
+    with pytest.raises(ValueError, match="--fim-rate 0.5 without a FIM transform"):
+        build_datasets(flags, None, None, 0)
+    with pytest.raises(ValueError, match="--fim-rate 0.0 with a FIM transform"):
+        build_datasets(DataConfig(), None, None, 0, fim=fim_from_flags(flags, load_tokenizer(flags)))
 
 
 def test_flags_give_the_sentinels_and_the_checkpoint_records_the_order(tok):

@@ -16,10 +16,10 @@ from codegeex_train.data import npy_cache, token_range
 from codegeex_train.data.gpt_dataset import GPTDataset
 from codegeex_train.data.indexed_dataset import MMapIndexedDataset, bin_path
 from codegeex_train.data.sampler import build_pretraining_data_loader
-from codegeex_train.data.default_corpus import default_corpus_files
-from codegeex_train.data.preprocess import TokenizerSpec, preprocess
+from codegeex_train.preprocessing.default_corpus import default_corpus_files
+from codegeex_train.preprocessing.preprocess import TokenizerSpec, preprocess
 from codegeex_train.data.token_range import TokenIdError, check_token_ids
-from codegeex_train.data.tokenizer import DEFAULT_TOKENIZER_PATH
+from codegeex_train.tokenization.tokenizer import DEFAULT_TOKENIZER_PATH
 from tests.harness import another_tokenizer, fails_with, tiny_model_args, write_indexed_dataset
 
 MODEL = tiny_model_args()  # the shipped tokenizer: 8192 ids, padded to 8192 at TP 1 and 2

@@ -6,12 +6,9 @@ import sys
 
 import pytest
 
-from codegeex_train.distributed.topology import (
-    ParallelConfigError,
-    ParallelDims,
-    build_rank_groups,
-    warn_if_tp_spans_nodes,
-)
+from codegeex_train.distributed.topology import build_rank_groups, warn_if_tp_spans_nodes
+from codegeex_train.layout.dims import ParallelDims
+from codegeex_train.layout.errors import LayoutError
 
 # Seed document 000, world 16, TP 2, PP 4 (DP 2), written out as it lists them.
 SEED_16 = {
@@ -68,7 +65,7 @@ def test_layout_invariants(world, tp, pp):
     (8, 0, 1, "--tensor-model-parallel-size=0"),
 ])
 def test_invalid_sizes_name_the_numbers_and_flag(world, tp, pp, flag):
-    with pytest.raises(ParallelConfigError, match=flag) as e:
+    with pytest.raises(LayoutError, match=flag) as e:
         ParallelDims(world, tp, pp)
     if tp:
         assert str(world) in str(e.value)

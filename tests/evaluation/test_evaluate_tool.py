@@ -137,7 +137,7 @@ def tiny_checkpoint(tmp_path_factory):
     """A random 2-layer model saved at iteration 42, and two short problems it can be prompted with."""
     import codegeex_train.generation  # noqa: F401  (fails, not skips, when generation is missing)
     from codegeex_train.checkpoint import save_model_checkpoint, split_state_dict
-    from codegeex_train.data.tokenizer import default_tokenizer
+    from codegeex_train.tokenization.tokenizer import default_tokenizer
     from codegeex_train.model import CodeGeeXModel, ModelConfig
 
     root = tmp_path_factory.mktemp("ckpt")
@@ -165,7 +165,7 @@ def test_generate_from_a_checkpoint_and_score(tiny_checkpoint, tmp_path):
     results = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert [(r["task_id"], r["sample"]) for r in results] == [(f"Tiny/{i}", j) for i in range(2) for j in range(3)]
     assert all(isinstance(r["completion"], str) and r["result"] for r in results)
-    from codegeex_train.data.tokenizer import default_tokenizer
+    from codegeex_train.tokenization.tokenizer import default_tokenizer
     from codegeex_train.evaluation import default_params
     from codegeex_train.generation import Generator
 

@@ -179,7 +179,7 @@ def test_metrics_record_appended_to_the_run(tmp_path):
 def test_samples_depend_on_the_seed_not_the_batch_size():
     """A tiny real generator: task i's sample j draws from row_seed(seed, i, j), so a rerun gives the same samples,
     so does any batch size, and they equal the no-cache reference decoder's (its own code path, same streams)."""
-    from codegeex_train.data.tokenizer import default_tokenizer
+    from codegeex_train.tokenization.tokenizer import default_tokenizer
     from codegeex_train.generation import Generator, SamplingParams, truncate_at_stop
     from codegeex_train.model import CodeGeeXModel, ModelConfig
 

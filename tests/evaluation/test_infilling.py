@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 
 from codegeex_train.checkpoint import save_model_checkpoint, split_state_dict
-from codegeex_train.data.tokenizer import default_tokenizer
+from codegeex_train.tokenization.tokenizer import default_tokenizer
 from codegeex_train.evaluation import ProblemsError, Sandbox, SandboxConfig, read_problems, write_jsonl
 from codegeex_train.evaluation.infilling import (
     BENCHMARKS,

@@ -7,7 +7,7 @@ import pytest
 import torch
 from gen_helpers import ragged_prompts, tp_rank_checks
 
-from codegeex_train.checkpoint import config_from_hf_gpt2
+from codegeex_train.formats.huggingface.gpt2 import config_from_hf_gpt2
 from tests.harness import load_tool, run_distributed
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from codegeex_train.generation import Generator, SamplingParams
-from codegeex_train.model import CodeGeeXModel, ModelConfig
+from codegeex_train.model import CodeGeeXModel, ModelConfig, ModelGroups
 
 NEW_TOKENS = 64  # the HF parity length
 PROMPT_LENGTHS = (3, 11, 6)
@@ -71,9 +71,9 @@ def tp_rank_checks(topology, ckpt_dir: str, prompts: list[list[int]]) -> dict:
     converted checkpoint."""
     out = {}
     for top_query in (True, False):
-        model = CodeGeeXModel(tiny_config(top_query_layer=top_query), topology.tp_group, None, seed=11)
+        model = CodeGeeXModel(tiny_config(top_query_layer=top_query), ModelGroups.from_topology(topology), seed=11)
         out[f"cache_top_query_{top_query}"] = cache_vs_full(model)
-    rope = Generator(CodeGeeXModel(tiny_config(**ROPE), topology.tp_group, None, seed=11), None)
+    rope = Generator(CodeGeeXModel(tiny_config(**ROPE), ModelGroups.from_topology(topology), seed=11), None)
     out["cache_rope"] = cache_vs_full(rope.model)
     greedy = SamplingParams(max_new_tokens=40)
     out["rope_greedy"] = rope.generate_ids(ragged_prompts(100), greedy)

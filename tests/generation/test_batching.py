@@ -11,7 +11,7 @@ import pytest
 import torch
 from gen_helpers import ROPE, ragged_prompts, tiny_config
 
-from codegeex_train.data.tokenizer import default_tokenizer
+from codegeex_train.tokenization.tokenizer import default_tokenizer
 from codegeex_train.generation import HUMANEVAL_STOP, Generator, SamplingParams
 from codegeex_train.generation.stops import StopStrings
 from codegeex_train.model import CodeGeeXModel

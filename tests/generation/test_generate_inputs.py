@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from codegeex_train.checkpoint import save_model_checkpoint, split_state_dict
-from codegeex_train.data.tokenizer import default_tokenizer
+from codegeex_train.tokenization.tokenizer import default_tokenizer
 from codegeex_train.model import CodeGeeXModel, ModelConfig
 from tests.harness import load_tool
 
@@ -79,3 +79,10 @@ def test_a_prompt_on_stdin_is_bounded_and_the_next_one_still_read(monkeypatch):
     with pytest.raises(tool.GenerateError, match="a prompt on stdin: larger than 64 bytes, the bound on one prompt"):
         tool.read_stdin_prompt(stdin)
     assert tool.read_stdin_prompt(stdin) == ("def f():\n    return 1\n", False)
+
+
+def test_a_prompt_file_nested_past_the_limit_is_one_prompt_not_a_traceback(tmp_path):
+    # Its first line nested past Python's recursion limit: json.loads raises RecursionError, not a decoding error.
+    deep = "[" * 100_000 + "]" * 100_000
+    (tmp_path / "deep.txt").write_text(deep + "\n")
+    assert load_tool("generate").read_prompt_file(str(tmp_path / "deep.txt")) == [{"prompt": deep + "\n"}]

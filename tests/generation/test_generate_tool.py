@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from codegeex_train.checkpoint import save_model_checkpoint, split_state_dict
-from codegeex_train.data.tokenizer import default_tokenizer
+from codegeex_train.tokenization.tokenizer import default_tokenizer
 from codegeex_train.model import CodeGeeXModel, ModelConfig
 from tests.harness import free_port, run_process_group
 

@@ -15,9 +15,9 @@ import pytest
 
 from codegeex_train.checkpoint import save_model_checkpoint, split_state_dict
 from codegeex_train.checkpoint.files import read_checkpoint_meta
-from codegeex_train.data.tokenizer import default_tokenizer
+from codegeex_train.tokenization.tokenizer import default_tokenizer
 from codegeex_train.generation import Generator, InfillError, SamplingParams, fim_format, recorded_fim
-from codegeex_train.data.code_tokens import trained_order
+from codegeex_train.tokenization.code_tokens import trained_order
 from codegeex_train.generation.infill import split_at_marker
 from codegeex_train.model import CodeGeeXModel, ModelConfig
 from tests.harness import free_port, load_tool, run_process_group

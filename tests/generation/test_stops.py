@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from codegeex_train.data.tokenizer import default_tokenizer
+from codegeex_train.tokenization.tokenizer import default_tokenizer
 from codegeex_train.generation.stops import StopStrings
 
 PROMPT = "def f():\n"

@@ -7,8 +7,8 @@ import pytest
 import torch
 from gen_helpers import tiny_config
 
-from codegeex_train.data.tokenizer import default_tokenizer
-from codegeex_train.data.whitespace import whitespace_token
+from codegeex_train.tokenization.tokenizer import default_tokenizer
+from codegeex_train.tokenization.whitespace import whitespace_token
 from codegeex_train.generation import (
     HUMANEVAL_STOP,
     Generator,

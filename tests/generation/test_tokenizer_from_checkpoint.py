@@ -18,10 +18,10 @@ import pytest
 from codegeex_train import pretrain
 from codegeex_train.checkpoint.files import read_checkpoint_meta
 from codegeex_train.checkpoint.universal import read_universal_meta
-from codegeex_train.data.default_corpus import default_corpus_files
-from codegeex_train.data.preprocess import TokenizerSpec, preprocess
-from codegeex_train.data.tokenizer import DEFAULT_TOKENIZER_PATH, build_tokenizer, default_tokenizer
-from codegeex_train.data.tokenizer_record import fingerprint_record
+from codegeex_train.preprocessing.default_corpus import default_corpus_files
+from codegeex_train.preprocessing.preprocess import TokenizerSpec, preprocess
+from codegeex_train.tokenization.tokenizer import DEFAULT_TOKENIZER_PATH, build_tokenizer, default_tokenizer
+from codegeex_train.tokenization.record import fingerprint_record
 from codegeex_train.evaluation import write_jsonl
 from tests.harness import load_tool, run_distributed, tiny_pretrain_args
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from model_helpers import S, hf_batch
 
-from codegeex_train.checkpoint import config_from_hf_gpt2
+from codegeex_train.formats.huggingface.gpt2 import config_from_hf_gpt2
 from tests.harness import load_tool
 
 

@@ -8,6 +8,8 @@ import torch
 import torch.distributed as dist
 
 from codegeex_train.checkpoint import merge_state_dicts
+from codegeex_train.layout.dims import ParallelDims
+from codegeex_train.layout.plan import ParallelPlan
 from codegeex_train.model import ModelConfig
 
 B, S = 2, 16
@@ -20,6 +22,14 @@ def tiny_config(**overrides) -> ModelConfig:
                   init_method_std=0.2)  # large enough that attention is far from uniform
     fields.update(overrides)
     return ModelConfig(**fields)
+
+
+def model_plan(layout=None, **options) -> ParallelPlan:
+    """The plan a test's model is built with: the ranks' layout (a Topology's dims, or ParallelDims; one rank
+    without) and the model's options (sequence_parallel, recompute); one micro-batch (the model reads no batch
+    size)."""
+    dims = ParallelDims(1) if layout is None else layout if isinstance(layout, ParallelDims) else layout.dims
+    return ParallelPlan.derive(dims, micro_batch_size=1, **options)
 
 
 def make_batch(config: ModelConfig, seed: int = 0):

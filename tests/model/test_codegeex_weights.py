@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from model_helpers import max_err
 
 from codegeex_train.checkpoint import load_full_state_dict, load_model_checkpoint
-from codegeex_train.checkpoint.codegeex_weights import (
+from codegeex_train.formats.codegeex_release.weights import (
     codegeex_checkpoint,
     codegeex_names,
     codegeex_state_dict,
@@ -30,7 +30,7 @@ from codegeex_train.checkpoint.codegeex_weights import (
 )
 from codegeex_train.checkpoint.files import read_checkpoint_meta
 from codegeex_train.config.model_config import ModelConfig
-from codegeex_train.model import CodeGeeXModel
+from codegeex_train.model import CodeGeeXModel, ModelGroups
 from tests.harness import codegeex_reference, run_distributed
 
 THEIR_MODEL = "codegeex.torch.codegeex_model"  # the original package's model: the reference
@@ -169,7 +169,7 @@ def test_tp1_logits_equal_the_codegeex_package(released):
 
 
 def _tp_logits(topo, ckpt_dir: str, config: ModelConfig, ids, pos, expected) -> tuple[float, int]:
-    model = CodeGeeXModel(config, topo.tp_group, None).eval()
+    model = CodeGeeXModel(config, ModelGroups.from_topology(topo)).eval()
     meta = load_model_checkpoint(ckpt_dir, model)
     with torch.no_grad():
         logits = model(ids, pos, gather_logits=True)

@@ -13,7 +13,7 @@ from model_helpers import make_batch, max_err, tiny_config
 from codegeex_train.checkpoint import load_full_state_dict, load_model_checkpoint, save_model_checkpoint
 from codegeex_train.checkpoint.sharding import partition_spec, split_model_parallel, split_pipeline_stages
 from codegeex_train.model import CodeGeeXModel
-from codegeex_train.pipeline.stages import stage_layer_ranges
+from codegeex_train.layout.stages import stage_layer_ranges
 
 LAYOUTS = [(1, 2), (2, 2), (1, 4), (2, 1)]  # (tp, pp)
 

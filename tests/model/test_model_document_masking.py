@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from model_helpers import dense_logits, max_err, tiny_config
+from model_helpers import dense_logits, max_err, model_plan, tiny_config
 
-from codegeex_train.config.recompute import Recompute
+from codegeex_train.layout.recompute import Recompute
 from codegeex_train.model import CodeGeeXModel
 from codegeex_train.training.batches import document_ids, document_position_ids
 
@@ -30,7 +30,7 @@ def test_packed_documents_equal_each_document_alone(recompute):
     labels = torch.randint(1, config.vocab_size, IDS.shape, generator=torch.Generator().manual_seed(1))
     weights = torch.rand(IDS.shape, generator=torch.Generator().manual_seed(2))
     docs, positions = document_ids(IDS, EOD), document_position_ids(IDS, EOD)
-    model = CodeGeeXModel(config, None, None, seed=5, recompute=RECOMPUTE[recompute])
+    model = CodeGeeXModel(config, None, model_plan(recompute=RECOMPUTE[recompute]), seed=5)
     per_token = model(IDS, positions, labels=labels, document_ids=docs)  # (b, s)
     (per_token * weights).sum().backward()
 

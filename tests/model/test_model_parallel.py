@@ -10,11 +10,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from model_helpers import dense_logits, gather_full, hf_batch, make_batch, max_err, tiny_config
+from model_helpers import dense_logits, gather_full, hf_batch, make_batch, max_err, model_plan, tiny_config
 
 from codegeex_train.accounting import CommCounter
 from codegeex_train.checkpoint import load_model_checkpoint, partition_spec, split_state_dict
-from codegeex_train.model import CodeGeeXModel, ModelConfigError, count_parameters
+from codegeex_train.layout.recompute import Recompute
+from codegeex_train.model import CodeGeeXModel, ModelConfigError, ModelGroups, count_parameters
 from codegeex_train.model.init import ParamInit
 from codegeex_train.model.transformer import ParallelTransformerLayer
 from codegeex_train.tensor_parallel import model_parallel_seed
@@ -27,7 +28,7 @@ def _parity(topo, top_query: bool) -> dict:
     config = tiny_config(top_query_layer=top_query)
     ids, pos, labels, weights = make_batch(config)
     ref = CodeGeeXModel(config, None, None, seed=11)
-    model = CodeGeeXModel(config, topo.tp_group, None, seed=11)
+    model = CodeGeeXModel(config, ModelGroups.from_topology(topo), seed=11)
     expected = split_state_dict(ref.state_dict(), config, topo.tp_size)[topo.tp_rank]
     local = model.state_dict()
     out = {"init_equal": list(local) == list(expected) and all(torch.equal(local[k], expected[k]) for k in local)}
@@ -68,7 +69,7 @@ def _dropout_streams(topo) -> dict:
     config = tiny_config(hidden_dropout=0.2, attention_dropout=0.2)
     ids, pos, _, _ = make_batch(config)
     tracker = model_parallel_seed(1234, topo.tp_rank)
-    model = CodeGeeXModel(config, topo.tp_group, tracker, seed=11).train()
+    model = CodeGeeXModel(config, ModelGroups.from_topology(topo), rng_tracker=tracker, seed=11).train()
     sdpa_calls, dropout_calls = [], []
     real_sdpa, real_dropout = F.scaled_dot_product_attention, F.dropout
 
@@ -122,7 +123,8 @@ def _checkpointed(topo) -> dict:
     for ckpt in (False, True):
         torch.set_rng_state(cpu_state)
         tracker.set_states(tracker_states)
-        model = CodeGeeXModel(config, topo.tp_group, tracker, seed=11, checkpoint_activations=ckpt).train()
+        plan = model_plan(topo, recompute=Recompute.full() if ckpt else Recompute())  # --checkpoint-activations
+        model = CodeGeeXModel(config, ModelGroups.from_topology(topo), plan, tracker, seed=11).train()
         loss = model(ids, pos, labels=labels)
         (loss * weights).sum().backward()
         results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
@@ -136,7 +138,8 @@ def _checkpointed(topo) -> dict:
 def _all_reduce_counts(topo) -> dict:
     """(forward, backward) collectives of the MLP and the attention block, as CommCounter's (op, group, bytes)."""
     config = tiny_config()
-    block = ParallelTransformerLayer(config, topo.tp_group, None, ParamInit(1, 0.2, 2), "layers.0.")
+    block = ParallelTransformerLayer(config, ModelGroups.from_topology(topo), model_plan(topo), None,
+                                     ParamInit(1, 0.2, 2), "layers.0.")
     out = {}
     with CommCounter(topo.named_groups(), record=True) as comm:
         for name in ("mlp", "attention"):
@@ -155,7 +158,7 @@ def _bad_configs(topo) -> dict:
     with CommCounter(topo.named_groups(), record=True) as comm:
         for bad in (dict(num_attention_heads=3, hidden_size=33), dict(vocab_size=99, make_vocab_size_divisible_by=3)):
             try:
-                CodeGeeXModel(tiny_config(**bad), topo.tp_group, None)
+                CodeGeeXModel(tiny_config(**bad), ModelGroups.from_topology(topo))
             except ModelConfigError as e:
                 messages.append(str(e))
     ok = torch.ones(1)
@@ -164,7 +167,7 @@ def _bad_configs(topo) -> dict:
 
 
 def _hf_logits(topo, ckpt_dir: str, config, hf_logits: torch.Tensor) -> float:
-    model = CodeGeeXModel(config, topo.tp_group, None, seed=0).eval()
+    model = CodeGeeXModel(config, ModelGroups.from_topology(topo), seed=0).eval()
     meta = load_model_checkpoint(ckpt_dir, model)
     assert meta["tp_size"] == topo.tp_size
     ids, pos = hf_batch(config)

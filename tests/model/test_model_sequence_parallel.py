@@ -15,11 +15,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from model_helpers import gather_full, make_batch, max_err, tiny_config
+from model_helpers import gather_full, make_batch, max_err, model_plan, tiny_config
 
 from codegeex_train.checkpoint import partition_spec
-from codegeex_train.config.recompute import Recompute
-from codegeex_train.model import CodeGeeXModel
+from codegeex_train.layout.recompute import Recompute
+from codegeex_train.model import CodeGeeXModel, ModelGroups
 from codegeex_train.tensor_parallel import model_parallel_seed, recompute_in_backward
 from codegeex_train.tensor_parallel import selective_recompute as recompute_module
 from tests.harness import run_distributed
@@ -88,7 +88,8 @@ def _parity(topo) -> dict:
     ref_loss, ref_grads, _ = _loss_and_grads(ref, batch)
     out = {}
     for name, recompute in VARIANTS.items():
-        model = CodeGeeXModel(config, topo.tp_group, None, seed=11, sequence_parallel=True, recompute=recompute)
+        model = CodeGeeXModel(config, ModelGroups.from_topology(topo),
+                              model_plan(topo, sequence_parallel=True, recompute=recompute), seed=11)
         assert model.sequence_parallel and model.training
         loss, grads, saved = _loss_and_grads(model, batch)
         full = gather_full(grads, config, topo.tp_group)
@@ -108,9 +109,10 @@ def _parity(topo) -> dict:
 
 def _marked(topo) -> dict:
     config = tiny_config()
-    sp = CodeGeeXModel(config, topo.tp_group, None, seed=11, sequence_parallel=True)
-    plain = CodeGeeXModel(config, topo.tp_group, None, seed=11)
-    tp1 = CodeGeeXModel(config, None, None, seed=11, sequence_parallel=True)  # SP at TP 1: a no-op
+    groups = ModelGroups.from_topology(topo)
+    sp = CodeGeeXModel(config, groups, model_plan(topo, sequence_parallel=True), seed=11)
+    plain = CodeGeeXModel(config, groups, model_plan(topo), seed=11)
+    tp1 = CodeGeeXModel(config, None, model_plan(sequence_parallel=True), seed=11)  # SP at TP 1: a no-op
     marked = lambda model: sorted(n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False))
     return {"names": [n for n, _ in sp.named_parameters()], "sp": marked(sp), "plain": marked(plain),
             "tp1": marked(tp1), "tp1_sequence_parallel": tp1.sequence_parallel}
@@ -127,8 +129,9 @@ def _dropout(topo) -> dict:
     for name in DROPOUT_VARIANTS:
         torch.set_rng_state(cpu_state)
         tracker.set_states(tracker_states)
-        model = CodeGeeXModel(config, topo.tp_group, tracker, seed=11, sequence_parallel=True,
-                              recompute=VARIANTS[name]).train()
+        model = CodeGeeXModel(config, ModelGroups.from_topology(topo),
+                              model_plan(topo, sequence_parallel=True, recompute=VARIANTS[name]), tracker,
+                              seed=11).train()
         loss, grads, _ = _loss_and_grads(model, batch)
         runs[name] = (loss, grads)
     out = {}

@@ -9,8 +9,6 @@ from model_helpers import B, S, dense_logits, hf_batch, make_batch, max_err, tin
 
 from codegeex_train.checkpoint import (
     CheckpointError,
-    full_to_hf_gpt2,
-    hf_gpt2_to_full,
     load_full_state_dict,
     load_model_checkpoint,
     load_model_shard,
@@ -21,6 +19,7 @@ from codegeex_train.checkpoint import (
     split_state_dict,
 )
 from codegeex_train.checkpoint import files as checkpoint_module
+from codegeex_train.formats.huggingface.gpt2 import full_to_hf_gpt2, hf_gpt2_to_full
 from codegeex_train.model import (
     CodeGeeXModel,
     ModelConfigError,

@@ -12,15 +12,15 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from model_helpers import dense_logits, gather_full, make_batch, max_err, tiny_config
+from model_helpers import dense_logits, gather_full, make_batch, max_err, model_plan, tiny_config
 
 from codegeex_train.checkpoint import load_full_state_dict, load_model_checkpoint, save_model_checkpoint
 from codegeex_train.checkpoint.files import CheckpointError, model_parameter_shapes
 from codegeex_train.checkpoint.sharding import split_model_parallel
-from codegeex_train.config.recompute import Recompute
-from codegeex_train.model import CodeGeeXModel, ModelConfigError
+from codegeex_train.layout.recompute import Recompute
+from codegeex_train.model import CodeGeeXModel, ModelConfigError, ModelGroups
 from codegeex_train.model.rotary import apply_rotary, rotary_tables
-from codegeex_train.pipeline.stages import stage_layer_ranges
+from codegeex_train.layout.stages import stage_layer_ranges
 from tests.harness import run_distributed
 
 B, S, HEADS, D = 2, 12, 3, 16
@@ -199,7 +199,7 @@ def test_model_with_top_query_layer_matches_dense_reference(overrides):
 VARIANTS = {  # name: (config overrides, model keyword arguments)
     "tp": ({}, {}),
     "interleaved_half": ({"rotary_percent": 0.5, "rotary_interleaved": True}, {}),
-    "sp_full_recompute": ({}, {"sequence_parallel": True, "checkpoint_activations": True}),
+    "sp_full_recompute": ({}, {"sequence_parallel": True, "recompute": Recompute.full()}),
     "sp_selective": ({"rotary_percent": 0.5}, {"sequence_parallel": True,
                                                "recompute": Recompute("selective", modules=("core_attn",))}),
 }
@@ -211,7 +211,7 @@ def _tp_parity(topo) -> dict:
         config = rope_config(**overrides)  # top query layer on
         ids, _, labels, weights = make_batch(config)
         ref = CodeGeeXModel(config, None, None, seed=11)
-        model = CodeGeeXModel(config, topo.tp_group, None, seed=11, **kwargs)
+        model = CodeGeeXModel(config, ModelGroups.from_topology(topo), model_plan(topo, **kwargs), seed=11)
         loss_ref, loss = ref(ids, MODEL_POSITIONS, labels=labels), model(ids, MODEL_POSITIONS, labels=labels)
         ((loss_ref * weights).sum() / weights.sum()).backward()
         ((loss * weights).sum() / weights.sum()).backward()

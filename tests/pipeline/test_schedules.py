@@ -2,8 +2,8 @@
 
 import pytest
 
+from codegeex_train.layout.errors import LayoutError
 from codegeex_train.pipeline import (
-    PipelineSplitError,
     Step,
     forward_only,
     no_pipelining,
@@ -101,5 +101,5 @@ def test_layer_split():
     (4, 1, 2, None, "--pipeline-model-parallel-size 1"),
 ])
 def test_bad_layer_split(layers, pp, first, last, message):
-    with pytest.raises(PipelineSplitError, match=message):
+    with pytest.raises(LayoutError, match=message):
         stage_layer_ranges(layers, pp, first, last)

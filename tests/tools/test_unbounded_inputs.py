@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from codegeex_train.checkpoint import save_model_checkpoint, split_state_dict
-from codegeex_train.data.tokenizer import default_tokenizer
+from codegeex_train.tokenization.tokenizer import default_tokenizer
 from codegeex_train.model import CodeGeeXModel, ModelConfig
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,17 +1,17 @@
 """A StarCoder-style code model with nothing but this stack, end to end on the tiny model: source trees ->
 repository documents (deduplicated) -> FIM per file with document masking at DP 2 -> a checkpoint that records
 its FIM order and tokenizer -> ``tools/generate.py --infill``. Each step's exactness is proven in its own tests
-(tests/data/test_repo_documents.py, test_fim.py, tests/training/test_document_masking.py,
+(tests/preprocessing/test_repo_documents.py, test_fim.py, tests/training/test_document_masking.py,
 tests/generation/test_infill.py); this one proves they fit together."""
 
 import json
 import shutil
 
 from codegeex_train.checkpoint.files import checkpoint_fim, read_checkpoint_meta
-from codegeex_train.data.default_corpus import default_corpus_files
+from codegeex_train.preprocessing.default_corpus import default_corpus_files
 from codegeex_train.data.indexed_dataset import MMapIndexedDataset
-from codegeex_train.data.tokenizer import build_tokenizer
-from codegeex_train.data.code_tokens import code_tokens
+from codegeex_train.tokenization.tokenizer import build_tokenizer
+from codegeex_train.tokenization.code_tokens import code_tokens
 from codegeex_train.evaluation import read_problems
 from tests.harness import load_tool, metrics_records, run_distributed, run_pretrain, tiny_pretrain_args
 

@@ -18,7 +18,7 @@ from codegeex_train import pretrain
 from codegeex_train.config.arguments import parse_args
 from tests.harness import metrics_records, run_distributed, tiny_pretrain_args, write_indexed_dataset
 from codegeex_train.training.batches import DocumentMasking, get_batch
-from codegeex_train.training.stage import masked_mean
+from codegeex_train.training.engine_stage import masked_mean
 
 EOD = 0  # the shipped tokenizer's end-of-document id
 VOCAB = 8192  # the shipped tokenizer's vocabulary, already a multiple of 128: no padding logits
@@ -111,7 +111,7 @@ def masking_args(data, save, tp, pp, extra):
 def train_and_record(topology, argv):
     """``pretrain.main``; returns the model's initial state dict (PP 1, TP 1 only) and, on the last stage's TP rank 0,
     the raw (b, s + 1) tokens, per-token losses and loss masks of the first step's micro-batches, in order."""
-    from codegeex_train.training import stage
+    from codegeex_train.training import engine_stage as stage
 
     texts, losses, masks, initial = [], [], [], {}
     real_get_batch, real_mean, real_train = stage.get_batch, stage.masked_mean, pretrain.train
@@ -154,7 +154,7 @@ def hf_gpt2(initial: dict, argv: list[str]):
     """The (1, 1, 1) run's initial weights in a ``GPT2LMHeadModel``."""
     from transformers import GPT2LMHeadModel
 
-    from codegeex_train.checkpoint.hf_gpt2 import full_to_hf_gpt2, hf_gpt2_config
+    from codegeex_train.formats.huggingface.gpt2 import full_to_hf_gpt2, hf_gpt2_config
 
     config = parse_args(argv).model
     config.vocab_size = VOCAB

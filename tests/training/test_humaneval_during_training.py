@@ -2,9 +2,8 @@
 
 import pytest
 
-from codegeex_train import pretrain
 from codegeex_train.generation import Generator
-from tests.harness import metrics_records, run_distributed, run_pretrain, tiny_pretrain_args
+from tests.harness import fails_with, metrics_records, run_distributed, run_pretrain, tiny_pretrain_args
 
 pytestmark = pytest.mark.slow  # every test in this file is in the slow tier (tests/conftest.py)
 
@@ -53,10 +52,9 @@ def test_pass_at_1_is_logged_at_the_interval(tmp_path, tiny_data):
 def test_needs_a_single_pipeline_stage(tiny_data, capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", "2")
     save = tmp_path / "unused"
-    with pytest.raises(SystemExit):
-        pretrain.main(tiny_pretrain_args(tiny_data, str(save), 4, "--pipeline-model-parallel-size", "2",
-                                "--eval-humaneval-interval", "2"))
-    assert "--eval-humaneval-interval needs --pipeline-model-parallel-size 1" in capsys.readouterr().err
+    fails_with(capsys, tiny_pretrain_args(tiny_data, str(save), 4, "--pipeline-model-parallel-size", "2",
+                                          "--eval-humaneval-interval", "2"),
+               "--eval-humaneval-interval needs --pipeline-model-parallel-size 1")
     assert not save.exists()  # refused before anything was written
 
 
@@ -68,11 +66,9 @@ def test_a_machine_that_cannot_isolate_samples_stops_the_run(tiny_data, capsys, 
 
     monkeypatch.setenv("PATH", str(tmp_path))
     save = tmp_path / "unused"
-    with pytest.raises(SystemExit):
-        pretrain.main(tiny_pretrain_args(tiny_data, str(save), 4, "--eval-humaneval-interval", "2"))
-    err = capsys.readouterr().err
-    assert "error: --eval-humaneval-interval: bubblewrap (bwrap) not found: install bubblewrap" in err, err
-    assert "--unsafe-no-sandbox" in err and "Traceback" not in err
+    fails_with(capsys, tiny_pretrain_args(tiny_data, str(save), 4, "--eval-humaneval-interval", "2"),
+               "error: --eval-humaneval-interval: bubblewrap (bwrap) not found: install bubblewrap",
+               "--unsafe-no-sandbox")
     assert not save.exists()
     args = parse_args(tiny_pretrain_args(tiny_data, str(save), 4, "--eval-humaneval-interval", "2",
                                          "--unsafe-no-sandbox"))

@@ -8,7 +8,7 @@ import functools
 import pytest
 
 from codegeex_train import pretrain
-from codegeex_train.data.preprocess import DocumentSpec, TokenizerSpec, preprocess
+from codegeex_train.preprocessing.preprocess import DocumentSpec, TokenizerSpec, preprocess
 from tests.harness import fails_with, tiny_model_args, write_indexed_dataset
 
 MASKING = ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]

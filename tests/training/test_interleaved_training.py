@@ -13,7 +13,7 @@ import torch
 from codegeex_train.checkpoint.sharding import split_model_parallel
 from codegeex_train.config.model_config import ModelConfig
 from codegeex_train.model.codegeex import CodeGeeXModel
-from codegeex_train.pipeline.stages import rank_chunk_layers
+from codegeex_train.layout.stages import rank_chunk_layers
 from tests.harness import (
     checkpoint_at,
     load_tool,

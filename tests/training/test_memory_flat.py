@@ -11,7 +11,8 @@ import pytest
 
 from codegeex_train import pretrain
 from tests.harness import run_distributed, tiny_pretrain_args
-from codegeex_train.training import stage, trainer
+from codegeex_train.training import engine_stage as stage
+from codegeex_train.training import trainer
 
 ITERS = 200
 WARM = 50  # iterations before the first sample: optimizer states, DeepSpeed buffers, caches all exist by then

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from codegeex_train.config.arguments import parse_args
-from codegeex_train.data.tokenizer import load_tokenizer
+from codegeex_train.tokenization.tokenizer import load_tokenizer
 from tests.harness import metrics_records, read_metrics, run_distributed, run_pretrain, tiny_pretrain_args
 
 LAYERS, HIDDEN, SEQ = 2, 32, 32  # tiny_model_args(); FFN 4h (the default), CodeGeeX's top query layer on

@@ -11,6 +11,7 @@ import torch
 
 from codegeex_train import pretrain
 from codegeex_train.checkpoint.files import read_latest
+from codegeex_train.checkpoint.manager import CheckpointManager
 from codegeex_train.config.arguments import ConfigError, parse_args, validate
 from tests.harness import RankFailure, metrics_records, run_distributed, run_pretrain, tiny_pretrain_args
 from codegeex_train.training import fault_injection, trainer
@@ -78,7 +79,7 @@ def test_without_per_iteration_checks_a_save_is_still_checked(monkeypatch, tmp_p
 
 @pytest.mark.slow
 def test_no_save_dir_names_no_checkpoint(monkeypatch, tmp_path, tiny_data):
-    argv = [a for a in tiny_pretrain_args(tiny_data, "unused", 3) if a not in ("--save", "unused")]
+    argv = [a for a in tiny_pretrain_args(tiny_data, "unused", 3) if a not in ("--save", "unused", "--async-save")]
     argv += ["--metrics-file", str(tmp_path / "m.jsonl")]
     monkeypatch.setenv(INJECT, "nan-loss@2")
     with pytest.raises(RankFailure, match=r"at iteration 2; .* Last good checkpoint: none \(no --save\)"):
@@ -176,6 +177,7 @@ def test_deepspeed_giving_up_on_the_loss_scale_is_the_same_error(monkeypatch, tm
     monkeypatch.setattr(trainer, "train_step", step)
     (tmp_path / "latest").write_text("iter_0000010")
     run = type("FakeRun", (), {"train": parse_args(["--data-path", "x", "--save", str(tmp_path)]).train,
+                                "checkpoints": CheckpointManager(str(tmp_path)),
                                 "topology": type("T", (), {"rank": 1})(), "step_context": None})()
     h = health(check_grad_norm=False)
     h.consecutive_skipped = 17

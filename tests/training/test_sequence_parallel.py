@@ -21,7 +21,8 @@ from codegeex_train.checkpoint.files import load_model_checkpoint
 from codegeex_train.config.arguments import parse_args
 from codegeex_train.generation.generator import Generator
 from codegeex_train.generation.sampling import SamplingParams
-from codegeex_train.model.codegeex import CodeGeeXModel
+from codegeex_train.layout.plan import ParallelPlan
+from codegeex_train.model import CodeGeeXModel, ModelGroups
 from tests.harness import (
     checkpoint_at,
     load_tool,
@@ -181,7 +182,8 @@ def save_with_sp_resume_without(topology, full_argv, resumed_argv, full, at_save
     pretrain.main(full_argv)
     # Generation ignores SP but loads its checkpoints: the same logits as the model built with SP, then decoding.
     generator = Generator.from_checkpoint(full, None, tp_group=topology.tp_group)
-    with_sp = CodeGeeXModel(generator.config, topology.tp_group, None, sequence_parallel=True).eval()
+    with_sp = CodeGeeXModel(generator.config, ModelGroups.from_topology(topology),
+                            ParallelPlan.derive(topology.dims, micro_batch_size=1, sequence_parallel=True)).eval()
     load_model_checkpoint(full, with_sp)
     ids = torch.arange(3, 3 + 16).reshape(2, 8)
     positions = torch.arange(8).expand(2, 8)

@@ -27,7 +27,7 @@ LOSS_RTOL, NORM_RTOL = 2e-6, 2e-6
 def record_batches_and_train(topology, argv):
     """``pretrain.main``, returning the raw (b, s + 1) tokens of every micro-batch this rank read (as numpy arrays:
     torch tensors would travel back as shared-memory handles that die with the rank)."""
-    from codegeex_train.training import stage
+    from codegeex_train.training import engine_stage as stage
 
     seen, real = [], stage.get_batch
 
@@ -46,7 +46,7 @@ def hf_gpt2(tmp_path_factory):
     saved with save_pretrained and converted by tools/convert_checkpoint.py --from-hf."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from codegeex_train.data.tokenizer import default_tokenizer
+    from codegeex_train.tokenization.tokenizer import default_tokenizer
 
     root = tmp_path_factory.mktemp("hf_step")
     vocab = math.ceil(default_tokenizer().vocab_size / 128) * 128
