@@ -89,7 +89,7 @@ class _RankFiles(Sequence):
             except KeyError:
                 raise CheckpointError(f"the model to write has no parameter {name}, which a model of its config "
                                       f"(--num-layers {self.config.num_layers}, ...) has: not a whole model") from None
-            spec = partition_spec(name)
+            spec = partition_spec(name, self.config)
             sd[name] = _owned(full) if spec is None else shard_master_weight(full, spec[0], tp_rank, self.tp, spec[1])
         return sd
 

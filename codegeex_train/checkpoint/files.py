@@ -255,30 +255,44 @@ def describe_shape_difference(stored: ModelConfig, config: ModelConfig) -> str:
 
 # --- What each file must hold, from the config alone (no weights built: a check before any process group) ----------
 
-def _layer_shapes(prefix: str, h: int, ffn: int, attention: dict[str, int]) -> dict[str, tuple[int, ...]]:
-    shapes = {f"{prefix}input_layernorm.weight": (h,), f"{prefix}input_layernorm.bias": (h,)}
+def _norm_shapes(name: str, config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    h = config.hidden_size
+    return {f"{name}.weight": (h,)} | ({} if config.normalization == "RMSNorm" else {f"{name}.bias": (h,)})
+
+
+def _linear_shapes(name: str, rows: int, columns: int, bias: bool) -> dict[str, tuple[int, ...]]:
+    return {f"{name}.weight": (rows, columns)} | ({f"{name}.bias": (rows,)} if bias else {})
+
+
+def _layer_shapes(prefix: str, config: ModelConfig, attention: dict[str, int]) -> dict[str, tuple[int, ...]]:
+    """One layer's parameters in the module's order; ``attention``: the column-parallel projections and their rows."""
+    h, ffn = config.hidden_size, config.ffn_hidden_size
+    shapes = _norm_shapes(f"{prefix}input_layernorm", config)
     for name, rows in attention.items():  # column-parallel projections: (out, in)
-        shapes[f"{prefix}attention.{name}.weight"], shapes[f"{prefix}attention.{name}.bias"] = (rows, h), (rows,)
-    shapes.update({f"{prefix}attention.dense.weight": (h, h), f"{prefix}attention.dense.bias": (h,),
-                   f"{prefix}post_attention_layernorm.weight": (h,), f"{prefix}post_attention_layernorm.bias": (h,),
-                   f"{prefix}mlp.dense_h_to_4h.weight": (ffn, h), f"{prefix}mlp.dense_h_to_4h.bias": (ffn,),
-                   f"{prefix}mlp.dense_4h_to_h.weight": (h, ffn), f"{prefix}mlp.dense_4h_to_h.bias": (h,)})
+        shapes.update(_linear_shapes(f"{prefix}attention.{name}", rows, h, config.qkv_bias))
+    shapes.update(_linear_shapes(f"{prefix}attention.dense", h, config.num_attention_heads * config.head_dim,
+                                 config.linear_bias))
+    shapes.update(_norm_shapes(f"{prefix}post_attention_layernorm", config))
+    shapes.update(_linear_shapes(f"{prefix}mlp.dense_h_to_4h", config.mlp_in_size, h, config.linear_bias))
+    shapes.update(_linear_shapes(f"{prefix}mlp.dense_4h_to_h", h, ffn, config.linear_bias))
     return shapes
 
 
 def model_parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter of the whole model (TP = PP = 1) with its shape, in ``CodeGeeXModel``'s order: what its
     ``state_dict`` holds (tests check the two agree), computed without building it."""
-    h, ffn = config.hidden_size, config.ffn_hidden_size
+    h = config.hidden_size
     shapes = {"word_embeddings.weight": (config.padded_vocab_size, h)}
     if config.position_table_rows:  # learned_absolute
         shapes["position_embeddings.weight"] = (config.position_table_rows, h)
-    for i in range(config.num_layers):
-        shapes.update(_layer_shapes(f"layers.{i}.", h, ffn, {"query_key_value": 3 * h}))
-    shapes.update({"final_layernorm.weight": (h,), "final_layernorm.bias": (h,)})
+    for i in range(config.num_layers):  # fused [Q; K; V]: the heads' queries, the groups' keys and values
+        shapes.update(_layer_shapes(f"layers.{i}.", config, {"query_key_value": h + 2 * config.kv_size}))
+    shapes.update(_norm_shapes("final_layernorm", config))
     if config.top_query_layer:
         shapes["top_query_embeddings.weight"] = (config.top_query_rows, h)
-        shapes.update(_layer_shapes("top_query_layer.", h, ffn, {"query": h, "key_value": 2 * h}))
+        shapes.update(_layer_shapes("top_query_layer.", config, {"query": h, "key_value": 2 * h}))
+    if not config.tied_output:
+        shapes["output_layer.weight"] = (config.padded_vocab_size, h)
     return shapes
 
 
@@ -288,8 +302,8 @@ def rank_parameter_shapes(config: ModelConfig, tp_size: int, stage_layers: Seque
     (``stage_layers``: each stage's global layer numbers) with their TP-sharded shapes."""
     shapes = {}
     for name, shape in model_parameter_shapes(config).items():
-        if pp_rank in stages_of_name(name, stage_layers):
-            spec = partition_spec(name)
+        if pp_rank in stages_of_name(name, stage_layers, config.tied_output):
+            spec = partition_spec(name, config)
             if spec is not None:  # split along one dimension (strided blocks each split alike: same total)
                 dim = spec[0]
                 shape = shape[:dim] + (shape[dim] // tp_size,) + shape[dim + 1:]

@@ -14,11 +14,13 @@ from collections.abc import Sequence
 import torch
 
 from codegeex_train.config.model_config import ModelConfig
-from codegeex_train.tensor_parallel import shard_master_weight
+from codegeex_train.tensor_parallel import shard_master_weight, split_blocks
 
-# (name pattern, partition dim, stride); parameters matching none are replicated.
+# (name pattern, partition dim, stride); parameters matching none are replicated. A stride that depends on the
+# architecture is the config's (``partition_spec``).
 _PARTITIONS: tuple[tuple[str, int, int], ...] = (
     (r"word_embeddings\.weight", 0, 1),
+    (r"output_layer\.weight", 0, 1),
     (r"attention\.query_key_value\.(weight|bias)", 0, 3),
     (r"attention\.query\.(weight|bias)", 0, 1),
     (r"attention\.key_value\.(weight|bias)", 0, 2),
@@ -28,10 +30,19 @@ _PARTITIONS: tuple[tuple[str, int, int], ...] = (
 )
 
 
-def partition_spec(name: str) -> tuple[int, int] | None:
-    """(partition_dim, stride) of a parameter, or None when every TP rank holds it whole."""
+Stride = int | tuple[int, ...]
+
+
+def partition_spec(name: str, config: ModelConfig) -> tuple[int, Stride] | None:
+    """(partition_dim, stride) of a parameter of a model of ``config``, or None when every TP rank holds it whole.
+    The stride is ``split_blocks``': grouped-query attention's [Q; K; V] in the proportions (heads, groups, groups),
+    --swiglu's [gate; up] in two equal blocks."""
     for pattern, dim, stride in _PARTITIONS:
         if re.search(r"(^|\.)" + pattern + "$", name):
+            if stride == 3 and config.kv_groups != config.num_attention_heads and name.startswith("layers."):
+                return dim, (config.num_attention_heads, config.kv_groups, config.kv_groups)
+            if config.swiglu and "mlp.dense_h_to_4h." in name:
+                return dim, 2
             return dim, stride
     return None
 
@@ -41,16 +52,17 @@ def split_state_dict(full_sd: dict[str, torch.Tensor], config: ModelConfig, tp_s
     config.validate(tp_size)
     shards: list[dict[str, torch.Tensor]] = [{} for _ in range(tp_size)]
     for name, tensor in full_sd.items():
-        spec = partition_spec(name)
+        spec = partition_spec(name, config)
         for rank in range(tp_size):
             shards[rank][name] = (tensor.clone() if spec is None
                                   else shard_master_weight(tensor, spec[0], rank, tp_size, spec[1]))
     return shards
 
 
-def _merge_one(parts: list[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
-    # Each shard holds its slice of every block: block j = cat over ranks of shard.chunk(stride)[j].
-    blocks = [torch.cat([p.chunk(stride, dim=dim)[j] for p in parts], dim=dim) for j in range(stride)]
+def _merge_one(parts: list[torch.Tensor], dim: int, stride: Stride) -> torch.Tensor:
+    # Each shard holds its slice of every block: block j = cat over ranks of the shard's block j.
+    per_rank = [split_blocks(p, dim, stride) for p in parts]
+    blocks = [torch.cat([blocks[j] for blocks in per_rank], dim=dim) for j in range(len(per_rank[0]))]
     return torch.cat(blocks, dim=dim)
 
 
@@ -64,7 +76,7 @@ def merge_state_dicts(shard_sds: list[dict[str, torch.Tensor]], config: ModelCon
                              f"does not (or the reverse): not shards of one model")
     full = {}
     for name in names:
-        spec = partition_spec(name)
+        spec = partition_spec(name, config)
         parts = [sd[name] for sd in shard_sds]
         full[name] = parts[0].clone() if spec is None else _merge_one(parts, *spec)
     return full
@@ -73,9 +85,10 @@ def merge_state_dicts(shard_sds: list[dict[str, torch.Tensor]], config: ModelCon
 # --- Pipeline stages -----------------------------------------------------------------------------------
 
 # Non-layer parameters and the stages that hold them: the word table is on the first stage (embedding)
-# and the last (tied output layer); everything after the decoder stack is on the last.
+# and, tied, on the last (the output layer); everything after the decoder stack is on the last (an untied model's
+# output_layer too).
 _FIRST_STAGE_PREFIXES = ("word_embeddings.", "position_embeddings.")
-_LAST_STAGE_PREFIXES = ("word_embeddings.", "final_layernorm.", "top_query_embeddings.", "top_query_layer.")
+_LAST_STAGE_PREFIXES = ("final_layernorm.", "top_query_embeddings.", "top_query_layer.", "output_layer.")
 _LAYER_NAME = re.compile(r"layers\.(\d+)\.")
 
 
@@ -89,15 +102,16 @@ def _check_stage_layers(stage_layers: list[Sequence[int]], num_layers: int) -> N
                          f"(--num-layers {num_layers}) each once, from the first stage to the last")
 
 
-def stages_of_name(name: str, stage_layers: list[Sequence[int]]) -> list[int]:
-    """The pipeline stages (indices into ``stage_layers``) whose model has parameter ``name``."""
+def stages_of_name(name: str, stage_layers: list[Sequence[int]], tied_output: bool = True) -> list[int]:
+    """The pipeline stages (indices into ``stage_layers``) whose model has parameter ``name`` (``tied_output``: the
+    config's; the word table is then on the last stage as well)."""
     last = len(stage_layers) - 1
     match = _LAYER_NAME.match(name)
     if match:
         layer = int(match.group(1))
         return [i for i, r in enumerate(stage_layers) if layer in r]
     stages = {0} if name.startswith(_FIRST_STAGE_PREFIXES) else set()
-    if name.startswith(_LAST_STAGE_PREFIXES):
+    if name.startswith(_LAST_STAGE_PREFIXES) or tied_output and name.startswith("word_embeddings."):
         stages.add(last)
     return sorted(stages)
 
@@ -112,7 +126,7 @@ def split_pipeline_stages(full_sd: dict[str, torch.Tensor], config: ModelConfig,
     _check_stage_layers(stage_layers, config.num_layers)
     stages: list[dict[str, torch.Tensor]] = [{} for _ in stage_layers]
     for name, tensor in full_sd.items():  # full order = each stage model's order: names filter in place
-        owners = stages_of_name(name, stage_layers)
+        owners = stages_of_name(name, stage_layers, config.tied_output)
         if not owners:
             raise ValueError(f"parameter {name!r} belongs to no pipeline stage: not a CodeGeeXModel state dict "
                              f"with --num-layers {config.num_layers}")

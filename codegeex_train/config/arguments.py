@@ -546,7 +546,9 @@ def validate(args: Args, world_size: int, model: ModelConfig | None = None) -> P
             decoder_first_pipeline_num_layers=p.decoder_first_pipeline_num_layers,
             decoder_last_pipeline_num_layers=p.decoder_last_pipeline_num_layers,
             num_layers_per_virtual_pipeline_stage=p.num_layers_per_virtual_pipeline_stage,
-            num_attention_heads=model.num_attention_heads, sequence_parallel=p.sequence_parallel,
+            num_attention_heads=model.num_attention_heads,
+            num_query_groups=model.num_query_groups if model.group_query_attention else None,
+            sequence_parallel=p.sequence_parallel,
             recompute=recompute, seq_length=t.seq_length, hidden_size=model.hidden_size,
             dtype="bf16" if t.bf16 else "fp16" if t.fp16 else "fp32")
     except LayoutError as e:
@@ -567,6 +569,7 @@ def validate(args: Args, world_size: int, model: ModelConfig | None = None) -> P
     try:
         model.check_sequence_length(t.seq_length)
         model.check_rotary()
+        model.check_architecture()
         if model.vocab_size:  # the rest waits for the tokenizer's vocab (the heads per TP rank are the plan's)
             model.validate(dims.tp_size)
     except ModelConfigError as e:

@@ -94,7 +94,6 @@ PRETRAIN: dict[str, ForeignFlag] = {
     "--deepspeed_config": ForeignFlag(ALIAS, "--deepspeed-config", "DeepSpeed's spelling"),
     "--batch-size": ForeignFlag(ALIAS, "--micro-batch-size", "Megatron's old name"),
     "--model-parallel-size": ForeignFlag(ALIAS, "--tensor-model-parallel-size", "Megatron's old name"),
-    "--norm-epsilon": ForeignFlag(ALIAS, "--layernorm-epsilon", "LayerNorm is our only norm"),
     "--wandb-exp-name": ForeignFlag(ALIAS, "--wandb-name", "the wandb run name"),
     "--wandb-save-dir": ForeignFlag(ALIAS, "--wandb-dir", "where wandb writes its files"),
     "--logging-level": ForeignFlag(ALIAS, "--log-level", "logging's numbers (10 debug, 20 info, 30 warning, 40 "
@@ -164,16 +163,15 @@ PRETRAIN: dict[str, ForeignFlag] = {
        for kind, note in (("mrope", "no multimodal RoPE (a text model)"),
                           ("relative", "no relative position buckets (T5's)"),
                           ("none", "no position-free (NoPE) models"))},
-    **_refused("--rotary-* --use-rope-scaling --rope-scaling-factor", "--rotary-base (a larger base for longer "
-               "contexts)", "no RoPE scaling or position interpolation"),
-    **_refused("--swiglu --squared-relu", "--activation gelu|gelu_tanh|fast_gelu", "no gated or squared activations"),
-    "--normalization": ForeignFlag(REFUSED, "none (drop the flag: LayerNorm is the norm)", "no RMSNorm"),
-    **_refused("--group-query-attention --num-query-groups", "--num-attention-heads (multi-head attention)",
-               "no grouped-query attention"),
+    **_same("--swiglu --normalization --group-query-attention --num-query-groups --untie-embeddings-and-output-weights "
+            "--disable-bias-linear --add-qkv-bias --rope-scaling-factor --window-size --norm-epsilon"),
+    "--use-rope-scaling": ForeignFlag(ALIAS, "--rope-scaling llama3", "Llama 3.1's scaling (with "
+                                      "--rope-original-max-position-embeddings)"),
+    "--rotary-seq-len-interpolation-factor": ForeignFlag(REFUSED, "--rope-scaling linear --rope-scaling-factor N",
+                                                         "linear position interpolation is one of --rope-scaling's"),
+    **_refused("--rotary-*", "--rope-scaling, --rotary-base", "RoPE's other knobs are --rope-scaling's"),
+    **_refused("--squared-relu", "--activation gelu|gelu_tanh|fast_gelu or --swiglu", "no squared activations"),
     "--kv-channels": ForeignFlag(REFUSED, "--hidden-size / --num-attention-heads", "the head size is derived"),
-    "--untie-embeddings-and-output-weights": ForeignFlag(REFUSED, DROP, "the output layer is the word embeddings "
-                                                         "(tied, CodeGeeX's)"),
-    "--disable-bias-linear": ForeignFlag(REFUSED, DROP, "linear layers have biases (CodeGeeX's)"),
     "--vocab-size": ForeignFlag(REFUSED, "the tokenizer's size, padded by --make-vocab-size-divisible-by",
                                 "the vocabulary comes from the tokenizer"),
     "--use-checkpoint-args": ForeignFlag(REFUSED, "the model flags again (--load checks them against the "

@@ -71,7 +71,8 @@ class ParallelPlan:
                decoder_first_pipeline_num_layers: int | None = None,
                decoder_last_pipeline_num_layers: int | None = None,
                num_layers_per_virtual_pipeline_stage: int | None = None, num_chunks: int = 1,
-               num_attention_heads: int | None = None, sequence_parallel: bool = False,
+               num_attention_heads: int | None = None, num_query_groups: int | None = None,
+               sequence_parallel: bool = False,
                recompute: Recompute = Recompute(), seq_length: int = 0, hidden_size: int = 0,
                dtype: str = "fp32") -> ParallelPlan:
         """The plan of a layout, every rule checked in a fixed order; raises ``LayoutError`` naming the flag.
@@ -98,7 +99,8 @@ class ParallelPlan:
             raise LayoutError("a layer split needs --num-layers")
         if num_attention_heads is not None:
             heads_per_tp_rank(num_attention_heads, dims.tp_size)
-            # (next: key-value groups per TP rank, checked here beside the heads)
+            if num_query_groups is not None:  # grouped-query attention: whole key-value groups per TP rank
+                kv_groups_per_tp_rank(num_attention_heads, num_query_groups, dims.tp_size)
         _check_sequence_split(dims, seq_length, sequence_parallel)
         return cls(dims, micro_batch_size, m, stages, len(chunks[0]) if chunks else 1, chunks,
                    sequence_parallel=sequence_parallel, recompute=recompute, seq_length=seq_length,
@@ -235,3 +237,17 @@ def heads_per_tp_rank(num_attention_heads: int, tp_size: int) -> int:
         raise LayoutError(f"--num-attention-heads {num_attention_heads} is not divisible by "
                           f"--tensor-model-parallel-size {tp_size}: TP splits attention by heads")
     return num_attention_heads // tp_size
+
+
+def kv_groups_per_tp_rank(num_attention_heads: int, num_query_groups: int, tp_size: int) -> int:
+    """The key-value groups each TP rank holds under grouped-query attention: whole groups, each with its query heads.
+    A TP size above the groups is refused (as Megatron does) rather than replicating groups across ranks."""
+    if num_attention_heads % num_query_groups:
+        raise LayoutError(f"--num-query-groups {num_query_groups} does not divide --num-attention-heads "
+                          f"{num_attention_heads}: each key-value group serves a whole number of query heads")
+    if num_query_groups % tp_size:
+        largest = math.gcd(num_query_groups, tp_size)
+        raise LayoutError(f"--num-query-groups {num_query_groups} is not divisible by --tensor-model-parallel-size "
+                          f"{tp_size}: TP splits attention by whole key-value groups (none is replicated); the "
+                          f"largest TP size for {num_query_groups} groups here is {largest}")
+    return num_query_groups // tp_size

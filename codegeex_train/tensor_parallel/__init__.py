@@ -16,6 +16,7 @@ from codegeex_train.tensor_parallel.layers import (
     sequence_parallel_parameter,
     set_tensor_model_parallel_attributes,
     shard_master_weight,
+    split_blocks,
 )
 from codegeex_train.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -57,4 +58,5 @@ __all__ = [
     "divide",
     "set_tensor_model_parallel_attributes",
     "shard_master_weight",
+    "split_blocks",
 ]

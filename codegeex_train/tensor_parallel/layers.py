@@ -55,7 +55,8 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-def set_tensor_model_parallel_attributes(param: nn.Parameter, partition_dim: int, stride: int = 1) -> None:
+def set_tensor_model_parallel_attributes(param: nn.Parameter, partition_dim: int,
+                                         stride: int | tuple[int, ...] = 1) -> None:
     """Tag a sharded parameter: DeepSpeed's grad norm counts it on every TP rank, and checkpoint tools
     know which dimension to concatenate (``stride`` > 1: the dimension holds ``stride`` blocks, e.g.
     Q, K and V, each split separately)."""
@@ -122,14 +123,26 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None
 
 
-def shard_master_weight(master: torch.Tensor, dim: int, rank: int, size: int, stride: int = 1) -> torch.Tensor:
-    """This rank's slice of ``master`` along ``dim``; with ``stride`` blocks, the rank's part of each."""
-    blocks = master.chunk(stride, dim=dim)
+def split_blocks(tensor: torch.Tensor, dim: int, stride: int | tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """``tensor``'s blocks along ``dim``: ``stride`` equal ones, or blocks in the proportions of a tuple (grouped-query
+    attention's fused [Q; K; V]: (heads, groups, groups))."""
+    if isinstance(stride, int):
+        return tensor.chunk(stride, dim=dim)
+    unit = tensor.shape[dim] // sum(stride)
+    return tensor.split([unit * w for w in stride], dim=dim)
+
+
+def shard_master_weight(master: torch.Tensor, dim: int, rank: int, size: int,
+                        stride: int | tuple[int, ...] = 1) -> torch.Tensor:
+    """This rank's slice of ``master`` along ``dim``; with ``stride`` blocks (``split_blocks``), the rank's part of
+    each."""
+    blocks = split_blocks(master, dim, stride)
     return torch.cat([b.chunk(size, dim=dim)[rank] for b in blocks], dim=dim).contiguous()
 
 
 def _sharded_parameter(
-    shape: tuple[int, int], dim: int, group: ProcessGroup | None, init_method: InitMethod, stride: int,
+    shape: tuple[int, int], dim: int, group: ProcessGroup | None, init_method: InitMethod,
+    stride: int | tuple[int, ...],
     dtype: torch.dtype, device: torch.device | str | None,
 ) -> nn.Parameter:
     master = torch.empty(shape, dtype=torch.float32)  # on CPU: same numbers on every device and TP size
@@ -149,7 +162,7 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, tp_group: ProcessGroup | None, *, bias: bool = True,
                  gather_output: bool = False, init_method: InitMethod = init_normal(0.02),
-                 skip_bias_add: bool = False, stride: int = 1, sequence_parallel: bool = False,
+                 skip_bias_add: bool = False, stride: int | tuple[int, ...] = 1, sequence_parallel: bool = False,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
         super().__init__()
         self.tp_group = tp_group

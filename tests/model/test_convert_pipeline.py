@@ -39,8 +39,8 @@ def assert_same(a: dict, b: dict) -> None:
         assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
 
 
-def shard_shape(shape: torch.Size, name: str, tp: int) -> tuple[int, ...]:
-    spec = partition_spec(name)
+def shard_shape(shape: torch.Size, name: str, tp: int, config) -> tuple[int, ...]:
+    spec = partition_spec(name, config)
     if spec is None:
         return tuple(shape)
     return tuple(n // tp if d == spec[0] else n for d, n in enumerate(shape))
@@ -69,7 +69,7 @@ def test_shards_have_the_stage_models_names_shapes_and_values(config, full, tp, 
             shard = shards[pp_rank * tp + tp_rank]  # checkpoint (MP) order
             assert list(shard) == list(expected), (pp_rank, tp_rank)
             for name, tensor in shard.items():
-                assert tensor.shape == shard_shape(expected[name].shape, name, tp), name
+                assert tensor.shape == shard_shape(expected[name].shape, name, tp, config), name
             if tp == 1:
                 assert_same(shard, {k: full[k] for k in expected})
 

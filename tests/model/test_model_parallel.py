@@ -51,15 +51,15 @@ def _parity(topo, top_query: bool) -> dict:
     # Replicated parameters must get identical grads on every TP rank, or their copies drift apart.
     divergence = 0.0
     for n, p in model.named_parameters():
-        if partition_spec(n) is None:
+        if partition_spec(n, config) is None:
             first = p.grad.clone()
             dist.broadcast(first, src=topo.tp_ranks[0], group=topo.tp_group)
             divergence = max(divergence, max_err(p.grad, first))
     out["replicated_grad_divergence"] = divergence
-    local_numel = sum(p.numel() for n, p in model.named_parameters() if partition_spec(n) is not None)
+    local_numel = sum(p.numel() for n, p in model.named_parameters() if partition_spec(n, config) is not None)
     total = torch.tensor([local_numel])
     dist.all_reduce(total, group=topo.tp_group)
-    replicated = sum(p.numel() for n, p in model.named_parameters() if partition_spec(n) is None)
+    replicated = sum(p.numel() for n, p in model.named_parameters() if partition_spec(n, config) is None)
     out["param_count_matches"] = int(total) + replicated == count_parameters(config)
     return out
 

@@ -95,7 +95,7 @@ def _parity(topo) -> dict:
         full = gather_full(grads, config, topo.tp_group)
         divergence = 0.0  # replicated parameters: the same gradient on every TP rank, or their copies drift apart
         for n, g in grads.items():
-            if partition_spec(n) is None:
+            if partition_spec(n, config) is None:
                 first = g.clone()
                 dist.broadcast(first, src=topo.tp_ranks[0], group=topo.tp_group)
                 divergence = max(divergence, max_err(g, first))
@@ -214,7 +214,8 @@ def test_sp_parameters_are_layernorms_row_biases_and_tables(request, tp):
         r = result["marked"]
         expected = sorted(n for n in r["names"] if SP_PARAMETER.search(n))
         assert r["sp"] == expected
-        assert r["sp"] == sorted(n for n in r["names"] if partition_spec(n) is None)  # = every replicated one
+        # = every replicated one
+        assert r["sp"] == sorted(n for n in r["names"] if partition_spec(n, tiny_config()) is None)
         # 2 layers + the top query layer: 2 LayerNorms (weight, bias) and 2 row biases each; the final LayerNorm
         # (weight, bias); the position and top query tables
         assert len(expected) == 3 * (4 + 2) + 2 + 2
