@@ -162,7 +162,9 @@ FULL = {
 
 def preset_shape(name: str) -> dict:
     """(c) and (d)'s shape from a preset: layers, width and heads (d: the same, without the top query layer), and
-    (c) the sequence and micro-batch (with and without recompute)."""
+    (c) the sequence and micro-batch (with and without recompute), the rest of the preset's model: section
+    (``c_model``: its architecture, e.g. grouped-query attention, SwiGLU, RMSNorm, the untied output layer; checked
+    as ModelConfig fields in the section's process) and its planner: vocabulary (``c_vocab_size``)."""
     path = preset_path(name)
     model, train = section(path, "model"), section(path, "train")
     try:
@@ -170,7 +172,9 @@ def preset_shape(name: str) -> dict:
                  "num_attention_heads": model["num_attention_heads"]}
         micro = train["micro_batch_size"]
         return {**{f"{u}_{k}": v for u in "cd" for k, v in shape.items()}, "c_seq_length": train["seq_length"],
-                "c_micro_batch_size": micro, "c_recompute_micro_batch_size": micro}
+                "c_micro_batch_size": micro, "c_recompute_micro_batch_size": micro,
+                "c_model": {k: v for k, v in model.items() if k not in shape},
+                "c_vocab_size": section(path, "planner").get("vocab_size")}
     except KeyError as e:
         raise ConfigFileError(f"--config {path}: no {e.args[0]} (the GPU check's shape needs model.num_layers, "
                               f"hidden_size, num_attention_heads, train.seq_length and micro_batch_size)") from None
@@ -180,7 +184,7 @@ SMOKE = {
     "c_num_layers": 2, "c_hidden_size": 64, "c_num_attention_heads": 4, "c_seq_length": 64,
     "c_micro_batch_size": 2, "c_recompute_micro_batch_size": 2, "c_num_microbatches": 2, "c_warmup_iters": 1,
     "c_iters": 2, "d_num_layers": 2, "d_hidden_size": 64, "d_num_attention_heads": 4, "d_batch_size": 3,
-    "d_new_tokens": 8, "d_prompt_lengths": (4, 12), "d_reps": 1,
+    "d_new_tokens": 8, "d_prompt_lengths": (4, 12), "d_reps": 1, "c_model": {}, "c_vocab_size": None,
 }
 
 
@@ -192,7 +196,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     except ConfigFileError as e:
         p.error(str(e))
     for key, value in defaults.items():
-        if getattr(a, key) is None:
+        if getattr(a, key, None) is None:  # c_model, c_vocab_size: the preset's alone (no flag)
             setattr(a, key, value)
     if a.d_dtype is None:
         a.d_dtype = "bf16" if a.device == "cuda" else "fp32"

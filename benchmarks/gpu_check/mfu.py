@@ -1,4 +1,4 @@
-"""(c) Training throughput and MFU of a ~1.3B CodeGeeX in bf16 under ZeRO-2 on one GPU, without and with activation
+"""(c) Training throughput and MFU of a ~1.3B CodeGeeX (or a preset's model: --config) in bf16 under ZeRO-2 on one GPU, without and with activation
 recomputation: tokens/s over timed train steps (each between two device synchronisations) and model FLOP/s
 (codegeex_train/model/flops.py, without the recomputed forward) over the device's peak."""
 
@@ -18,25 +18,41 @@ def unit_name(recompute: bool) -> str:
     return "c-recompute" if recompute else "c"
 
 
+def c_model(a):
+    """(c)'s model: the --c-* shape with the rest of the preset's model: section (``a.c_model``: any field, e.g.
+    codegeex-1.3b's fast GeLU and 52,224-row table beside the default top query layer, or a Qwen2's grouped-query
+    attention, SwiGLU, RMSNorm and untied output layer) and its planner: vocabulary (CodeGeeX's 50,400 when it gives
+    none); --smoke: a CodeGeeX with fast GeLU and a vocabulary of 1,000."""
+    from codegeex_train.config.config_file import known_keys
+    from codegeex_train.config.model_config import ModelConfig
+
+    fields = known_keys({"model": ModelConfig})["model"]  # every spelling of a field, as --config reads it
+    preset = {fields[k.replace("-", "_")].name: v for k, v in (a.c_model or {}).items()}
+    preset.pop("max_position_embeddings", None)  # the sequence measured is --c-seq-length
+    if a.smoke:
+        preset = {"activation": "fast_gelu"}
+    config = ModelConfig(**preset, num_layers=a.c_num_layers, hidden_size=a.c_hidden_size,
+                         num_attention_heads=a.c_num_attention_heads, max_position_embeddings=a.c_seq_length,
+                         vocab_size=1000 if a.smoke else (a.c_vocab_size or 50400))
+    config.check_architecture()
+    return config
+
+
 def unit_c(a, state: State, topology, device, deadline: Deadline, recompute: bool) -> None:
     """Build the ~1.3B model in bf16 under ZeRO-2, then time ``a.c_iters`` train steps after the warm-up ones."""
     import torch
 
-    from codegeex_train.config.model_config import ModelConfig
+    from codegeex_train.accounting.planner import describe_model
     from codegeex_train.model.flops import model_flops_per_iteration
     from codegeex_train.training.trainer import train_step
 
     mb = a.c_recompute_micro_batch_size if recompute else a.c_micro_batch_size
     nmb, s = a.c_num_microbatches, a.c_seq_length
-    config = ModelConfig(num_layers=a.c_num_layers, hidden_size=a.c_hidden_size,
-                         num_attention_heads=a.c_num_attention_heads, max_position_embeddings=s,
-                         activation="fast_gelu", top_query_layer=True, vocab_size=1000 if a.smoke else 50400,
-                         make_vocab_size_divisible_by=128 if a.smoke else 52224)
+    config = c_model(a)
     iters = a.c_warmup_iters + a.c_iters
     state.set(micro_batch_size=mb, num_microbatches=nmb, seq_length=s, warmup=a.c_warmup_iters,
               iters_planned=a.c_iters, padded_vocab=config.padded_vocab_size,
-              shape=f"{config.num_layers} layers x {config.hidden_size}, {config.num_attention_heads} heads, vocab "
-                    f"{config.vocab_size} padded to {config.padded_vocab_size}, top query layer, seq {s}")
+              shape=f"{describe_model(config)}, seq {s}")
     if unit_name(recompute) in a.inject_oom and mb > 1:
         raise torch.OutOfMemoryError(f"injected out of memory at micro-batch {mb} (--inject-oom, tests only)")
     if device.type == "cuda":

@@ -4,6 +4,12 @@ cluster, from the shapes alone, before any GPU is booked.
     python -m codegeex_train.accounting.planner --config codegeex-13b --world-size 1536 --gpus-per-node 8 --gpu-memory-gb 32
     python -m codegeex_train.accounting.planner --num-layers 39 --hidden-size 5120 --num-attention-heads 40 \\
         --vocab-size 52224 --seq-length 2048 --global-batch-size 1536 --world-size 1536 [--top 20]
+    python -m codegeex_train.accounting.planner --config qwen2.5-coder-7b --seq-length 16384 --global-batch-size 256
+
+The model's architecture options (grouped-query attention, SwiGLU, RMSNorm, the untied output layer, the bias
+switches: training's flags, or a preset's model: section) enter through ``theory``'s formulas and ``model.flops``;
+TP sizes that do not divide the key-value groups are not listed (training refuses them), and --tensor-model-parallel-
+size naming one is refused with training's own line.
 
 Memory and bytes per step come from ``accounting.theory`` (the formulas the runs are checked against), FLOPs
 from ``model.flops``, layer splits from ``pipeline.stages`` (what ``--decoder-first/last-pipeline-num-layers``
@@ -23,7 +29,8 @@ would give training). The step-time estimate is a model, not a measurement; its 
 * TP all-reduces and PP sends are blocking in Megatron's schedule: on the critical path of every micro-batch;
   under SP so are the all-gathers and reduce-scatters that replace them and the re-gathers in backward;
 * context parallelism (CP n, ``--context-parallel-size``): each rank computes 1/n of every sequence's tokens (the
-  FLOPs / (t n)); every attention is a ring of n steps whose K/V hop (2 b (s/n) h e / t bytes, one way round the
+  FLOPs / (t n)); every attention is a ring of n steps whose K/V hop (2 b (s/n) kv e / t bytes, kv = g d the
+  key-value channels, h without GQA, one way round the
   ring, over the slower link of its TP x CP block of ranks) is posted before the step's block is computed, so a
   hop costs only what exceeds its block: the own block (step 0: s/n x s/n scores per head, 4 b (s/n)^2 h / t
   FLOPs forward) or a later one (half that), backward twice the forward's FLOPs and carrying K/V and dK/dV (two
@@ -35,7 +42,7 @@ would give training). The step-time estimate is a model, not a measurement; its 
 * DP (ZeRO-2, ``overlap_comm``): gradient reduce-scatters hide behind backward compute up to its length
   (the last bucket never does); the all-gather of updated weights after the step is exposed; under CP these run
   over DP x CP (DeepSpeed's group then), a ring of d n ranks;
-* the tied word-embedding all-reduce (first and last stage) runs after the flush: exposed;
+* the tied word-embedding all-reduce (first and last stage) runs after the flush: exposed (untied: none);
 * memory: the worst stage of ``theory.memory_per_rank`` plus ``--overhead-gb`` (CUDA context, NCCL buffers,
   allocator fragmentation), compared with ``--gpu-memory-gb``; memory is in GiB (a "32 GB" device has 32 GiB),
   traffic in GB (10^9 bytes) like link speeds.
@@ -45,7 +52,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import lru_cache
 from itertools import accumulate
 
@@ -58,12 +65,12 @@ from codegeex_train.accounting.theory import (
     stage_parameters,
 )
 from codegeex_train.config.config_file import PLANNER_SECTION, ConfigFileError, preset_path, section
-from codegeex_train.config.model_config import ModelConfig, ModelConfigError
+from codegeex_train.config.model_config import NORMALIZATIONS, ModelConfig, ModelConfigError
 from codegeex_train.layout.dims import ParallelDims
 from codegeex_train.layout.errors import LayoutError
 from codegeex_train.layout.plan import ParallelPlan, context_parallel_chunk_length
 from codegeex_train.layout.recompute import Recompute
-from codegeex_train.model.flops import layer_forward_flops
+from codegeex_train.model.flops import model_layer_forward_flops
 from codegeex_train.layout.stages import stage_layer_counts
 
 GIB = 2**30
@@ -73,12 +80,14 @@ GIB = 2**30
 MIN_CP_TOKENS = 1024
 
 # Presets are the training presets, configs/NAME.yaml (config/config_file.py; also read by scripts/pretrain_codegen.sh
-# and benchmarks/gpu.py): the shape from model:, the sequence and global batch from train:, and from planner: the
+# and benchmarks/gpu.py): the shape and architecture from model: (every ModelConfig field it sets: GQA, SwiGLU,
+# RMSNorm, the untied output layer and the bias switches change the estimate; RoPE scaling, the window and the epsilon
+# are read and checked, and change nothing here), the sequence and global batch from train:, and from planner: the
 # tokenizer's vocabulary, the compute dtype and the cluster (codegeex-13b: CodeGeeX's 1,536 Ascend 910, the file
 # cites its sources).
+MODEL_KEYS = tuple(f.name for f in fields(ModelConfig) if f.init and f.name != "vocab_size")
 PRESET_KEYS = {
-    "model": ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
-              "make_vocab_size_divisible_by", "position_embedding_type", "top_query_layer"),
+    "model": MODEL_KEYS,
     "train": ("seq_length", "global_batch_size"),
     PLANNER_SECTION: ("vocab_size", "dtype", "world_size", "gpus_per_node", "gpu_memory_gb", "peak_tflops",
                       "intra_node_gbps", "inter_node_gbps", "efficiency", "overhead_gb", "fused_attention"),
@@ -103,14 +112,27 @@ def preset_values(name: str) -> dict:
 
 
 def _model(values: dict) -> ModelConfig:
-    return ModelConfig(num_layers=values["num_layers"], hidden_size=values["hidden_size"],
-                       num_attention_heads=values["num_attention_heads"],
-                       ffn_hidden_size=values.get("ffn_hidden_size"),
-                       max_position_embeddings=values.get("max_position_embeddings", values["seq_length"]),
-                       make_vocab_size_divisible_by=values.get("make_vocab_size_divisible_by", 128),
-                       top_query_layer=not values.get("no_top_query_layer", False),
-                       position_embedding_type=values.get("position_embedding_type", "learned_absolute"),
-                       vocab_size=values["vocab_size"])
+    """The model of the planner's values; ModelConfigError for switches that do not go together."""
+    given = {k: values[k] for k in MODEL_KEYS if k in values and k != "top_query_layer"}
+    given.setdefault("max_position_embeddings", values["seq_length"])
+    model = ModelConfig(**given, top_query_layer=not values.get("no_top_query_layer", False),
+                        vocab_size=values["vocab_size"])
+    model.check_architecture()
+    return model
+
+
+def describe_model(model: ModelConfig) -> str:
+    """The shape in one phrase, with the architecture options that are not CodeGeeX's."""
+    attention = (f"{model.num_attention_heads} heads ({model.kv_groups} KV groups)" if model.group_query_attention
+                 else f"{model.num_attention_heads} heads")
+    options = [model.normalization] if model.normalization != "LayerNorm" else []
+    options += ["SwiGLU"] if model.swiglu else []
+    options += ["untied output layer"] if not model.tied_output else []
+    options += ["no linear biases" + (" but QKV's" if model.qkv_bias else "")] if model.disable_bias_linear else []
+    options += [f"window {model.window_size}"] if model.window_size else []
+    return (f"{model.num_layers} layers{' + top query layer' if model.top_query_layer else ''}, h {model.hidden_size}, "
+            f"{attention}, ffn {model.ffn_hidden_size}{''.join(', ' + o for o in options)}, "
+            f"vocab {model.padded_vocab_size} (padded)")
 
 
 def _cluster(values: dict) -> "Hardware":
@@ -248,17 +270,17 @@ def _stage_flops(model: ModelConfig, layers: int, last: bool, b: int, s: int,
     """(forward + backward, recompute) FLOPs of one stage for one micro-batch, split like model_flops: full
     recompute re-runs its units' forward, selective ``core_attn`` the attention core's (QK^T and x V)."""
     top_query = last and model.top_query_layer
-    per_layer = layer_forward_flops(b, s, model.hidden_size, model.ffn_hidden_size)
+    per_layer = model_layer_forward_flops(model, b, s)
+    top_query_flops = model_layer_forward_flops(model, b, s, top_query=True) if top_query else 0  # multi-head
     logits = 2 * b * s * model.hidden_size * model.padded_vocab_size if last else 0
     if recompute.is_full:
-        again = sum(len(u) for u in recompute.full_units(layers))
-        again += 1 if top_query and recompute.covers_top_query_layer(layers) else 0
-        extra = again * per_layer
+        extra = sum(len(u) for u in recompute.full_units(layers)) * per_layer
+        extra += top_query_flops if top_query and recompute.covers_top_query_layer(layers) else 0
     elif recompute.selects("core_attn"):
         extra = (layers + top_query) * 4 * b * s * s * model.hidden_size
     else:
         extra = 0
-    return 3 * ((layers + top_query) * per_layer + logits), extra
+    return 3 * (layers * per_layer + top_query_flops + logits), extra
 
 
 @lru_cache(maxsize=None)
@@ -317,7 +339,8 @@ def _ring_attention_seconds(w: Workload, pp_rank: int, flops_per_s: float, gbps:
     if w.cp_size == 1:
         return 0.0
     b, s, h, t = w.plan.micro_batch_size, w.local_seq_length, w.model.hidden_size, w.tp_size
-    hop = 2 * b * s * h * w.dtype_bytes / t / (gbps * 1e9 / 8)  # K and V of this rank's heads and tokens
+    # K and V of this rank's key-value groups and tokens (the top query layer's, multi-head, taken alike)
+    hop = 2 * b * s * w.model.kv_size * w.dtype_bytes / t / (gbps * 1e9 / 8)
     block = 2 * b * s * s * h / t / flops_per_s  # s/n queries x s/(2n) keys: 2 matmuls of 2 FLOPs per MAC
     forward, backward = ring_exposed_seconds(hop, block, w.cp_size)
     attentions = w.layers_on(pp_rank) + w.top_query_on(pp_rank)
@@ -569,6 +592,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a plain GPT (no CodeGeeX top query layer)")
     m.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"),
                    help="rope: no position table, a one-row top query table (default learned_absolute)")
+    m.add_argument("--normalization", choices=NORMALIZATIONS, help="RMSNorm: a weight and no bias per norm, one "
+                   "fp32 statistic per token (default LayerNorm)")
+    m.add_argument("--swiglu", action="store_true", default=None, help="gated MLP: h -> 2 ffn ([gate; up]), ffn -> h")
+    m.add_argument("--group-query-attention", action="store_true", default=None,
+                   help="grouped-query attention (with --num-query-groups): keys and values of g d channels; TP "
+                        "must divide g")
+    m.add_argument("--num-query-groups", type=pint, help="the key-value groups g")
+    m.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None,
+                   help="an output layer of its own on the last stage: no embedding all-reduce")
+    m.add_argument("--disable-bias-linear", action="store_true", default=None,
+                   help="no biases in the attention's and MLP's linear layers")
+    m.add_argument("--add-qkv-bias", action="store_true", default=None,
+                   help="with --disable-bias-linear: keep the QKV bias (Qwen2's)")
     m.add_argument("--micro-batch-size", type=pint, nargs="+", help="candidates (default: powers of two)")
     m.add_argument("--tensor-model-parallel-size", type=pint, help="show only this TP (ranks stay global)")
     m.add_argument("--pipeline-model-parallel-size", type=pint, help="show only this PP")
@@ -615,8 +651,18 @@ def main(argv: list[str] | None = None) -> None:
             p.error(f"--{flag.replace('_', '-')} is required (or --config)")
     if values.get("efficiency", 0.5) > 1:
         p.error(f"--efficiency {values['efficiency']}: a fraction of peak, at most 1")
-    model, cluster = _model(values), _cluster(values)
+    try:
+        model = _model(values)
+    except ModelConfigError as e:
+        p.error(str(e))
+    cluster = _cluster(values)
     dtype = values.get("dtype", "bf16")
+    only_tp, only_pp = values.get("tensor_model_parallel_size"), values.get("pipeline_model_parallel_size")
+    if only_tp is not None:
+        try:  # a TP the shapes refuse (heads, KV groups, MLP, vocabulary): training's own one line
+            model.validate(only_tp)
+        except ModelConfigError as e:
+            p.error(str(e))
     only_cp, seq = values.get("context_parallel_size"), values["seq_length"]
     if only_cp is not None and only_cp > 1:
         try:
@@ -633,7 +679,6 @@ def main(argv: list[str] | None = None) -> None:
     if not rows:
         p.error(f"no layout: --world-size {cluster.world_size} and --global-batch-size "
                 f"{values['global_batch_size']} admit no TP x CP x PP x DP with a whole number of micro-batches")
-    only_tp, only_pp = values.get("tensor_model_parallel_size"), values.get("pipeline_model_parallel_size")
     only_sp, only_rc = values.get("sequence_parallel"), values.get("recompute_granularity")
     only_vpp = values.get("num_layers_per_virtual_pipeline_stage")
     shown = [r for r in rows if (args.all or r.fits) and only_tp in (None, r.plan.dims.tp_size)
@@ -642,9 +687,7 @@ def main(argv: list[str] | None = None) -> None:
              and only_sp in (None, "yes" if r.sequence_parallel else "no")
              and only_rc in (None, r.recompute_name)][:args.top]
     fitting = sum(r.fits for r in rows)
-    print(f"{model.num_layers} layers{' + top query layer' if model.top_query_layer else ''}, h {model.hidden_size}, "
-          f"{model.num_attention_heads} heads, ffn {model.ffn_hidden_size}, vocab {model.padded_vocab_size} (padded), "
-          f"seq {values['seq_length']}, global batch {values['global_batch_size']}, {dtype}; "
+    print(f"{describe_model(model)}, seq {values['seq_length']}, global batch {values['global_batch_size']}, {dtype}; "
           f"{cluster.world_size} GPUs, {cluster.gpus_per_node}/node, {cluster.gpu_memory_gb:g} GiB, "
           f"{cluster.peak_tflops:g} TFLOP/s x {cluster.efficiency:g}, links {cluster.intra_node_gbps:g} / "
           f"{cluster.inter_node_gbps:g} Gb/s intra / inter, {cluster.overhead_gb:g} GiB overhead")

@@ -8,6 +8,14 @@ TP/PP/DP sizes, m micro-batches per step, e bytes per element of the compute dty
 sequence parallelism (the LayerNorms, dropouts and residual adds hold s/t of the sequence), else 1; v model chunks
 per pipeline rank (interleaved 1F1B; 1 without it), chunk c of rank i being virtual stage c*p + i.
 
+The architecture options (ModelConfig; docs/model-families.md) enter through the shapes: grouped-query attention's g
+key-value groups (kv = g d channels of K and of V instead of h: the [Q; K; V] weight, the activations K and V, the
+ring's hops), SwiGLU's [gate; up] (2f rows of the first MLP matrix, its 2f-wide output kept), RMSNorm (a weight and
+one fp32 statistic per token instead of LayerNorm's two of each), --disable-bias-linear / --add-qkv-bias (which biases
+exist), the untied output layer (its own V/t x h table on the last stage; no embedding-group all-reduce, and none of
+ZeRO's for a tied copy) and the sliding window (a masked attention: see ``attention_core_bytes``). The TP collectives
+are the same in number and size whatever the options: an f/g pair per attention and per MLP.
+
 Context parallelism (CP size n, ``--context-parallel-size``): a rank holds s/n tokens of every sequence (two of 2n
 chunks, context_parallel/chunks.py) and its layers see only those, so every formula below reads s as the rank's
 local length s/n (``Workload.local_seq_length``), phi included; attention becomes the K/V ring
@@ -19,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 from codegeex_train.config.model_config import ModelConfig
 from codegeex_train.layout.plan import ParallelPlan
@@ -133,35 +142,52 @@ class Workload:
 
 # --------------------------------------------------------------------------------------------- parameters
 
-def layer_parameters(model: ModelConfig, tp: int) -> int:
-    """One transformer layer's parameters on one TP rank (the top query layer has the same shapes)."""
+def norm_parameters(model: ModelConfig) -> int:
+    """One norm's parameters: LayerNorm's weight and bias, RMSNorm's weight alone."""
+    return model.hidden_size * (1 if model.normalization == "RMSNorm" else 2)
+
+
+def replicated_layer_parameters(model: ModelConfig) -> int:
+    """What every TP rank of a layer holds whole: the two norms and the row-parallel biases (attention dense, MLP
+    out; none under --disable-bias-linear). Under SP these are the layer's sequence-parallel parameters."""
+    return 2 * norm_parameters(model) + (2 * model.hidden_size if model.linear_bias else 0)
+
+
+def layer_parameters(model: ModelConfig, tp: int, top_query: bool = False) -> int:
+    """One transformer layer's parameters on one TP rank (checkpoint/files.py ``model_parameter_shapes``, split as
+    ``partition_spec`` splits them): [Q; K; V] of (n + 2g) d rows (g = n without GQA), the dense h x n d, the MLP's
+    h -> ffn (2 ffn rows, [gate; up], under --swiglu) and ffn -> h. ``top_query``: the top query layer, whose
+    attention stays multi-head (query h rows, key_value 2h)."""
     h, ffn = model.hidden_size, model.ffn_hidden_size
-    replicated = 2 * 2 * h + h + h  # two LayerNorms, the row-parallel biases (attention dense, MLP out)
-    split = (3 * h * h + 3 * h) + h * h + (h * ffn + ffn) + ffn * h  # QKV, dense, h->ffn, ffn->h
-    return replicated + split // tp
+    qkv = 3 * h if top_query else h + 2 * model.kv_size
+    split = (qkv * h + (qkv if model.qkv_bias else 0) + h * h  # QKV (its bias iff qkv_bias), dense
+             + model.mlp_in_size * h + (model.mlp_in_size if model.linear_bias else 0) + ffn * h)  # h->ffn, ffn->h
+    return replicated_layer_parameters(model) + split // tp
 
 
 def stage_parameters(w: Workload, pp_rank: int) -> int:
-    """Parameters held by one rank of stage ``pp_rank`` (both tied copies of the word table count: each end
-    holds, trains and stores its own). Under RoPE there is no position table and the top query table has one row
-    (``ModelConfig.position_table_rows``, ``top_query_rows``)."""
+    """Parameters held by one rank of stage ``pp_rank``. Tied (CodeGeeX's, GPT-2's) both copies of the word table
+    count: each end holds, trains and stores its own. Untied (--untie-embeddings-and-output-weights) the word table
+    is on the first stage and the output layer, its own (V, h) weights, on the last. Under RoPE there is no position
+    table and the top query table has one row (``ModelConfig.position_table_rows``, ``top_query_rows``)."""
     m, h = w.model, w.model.hidden_size
     n = w.layers_on(pp_rank) * layer_parameters(m, w.tp_size)
     if w.first(pp_rank):
         n += m.padded_vocab_size // w.tp_size * h + m.position_table_rows * h
     if w.last(pp_rank):
-        n += 2 * h  # final LayerNorm
+        n += norm_parameters(m)  # final norm
         if m.top_query_layer:
-            n += m.top_query_rows * h + layer_parameters(m, w.tp_size)
-        if not w.first(pp_rank):
-            n += m.padded_vocab_size // w.tp_size * h  # the output layer's copy of the word table
+            n += m.top_query_rows * h + layer_parameters(m, w.tp_size, top_query=True)
+        if not m.tied_output or not w.first(pp_rank):
+            n += m.padded_vocab_size // w.tp_size * h  # the output layer (untied), or its copy of the word table
     return n
 
 
 def largest_parameter(w: Workload, pp_rank: int) -> int:
     """Elements of the largest single parameter on one rank of stage ``pp_rank``."""
     m, h, t = w.model, w.model.hidden_size, w.tp_size
-    sizes = [3 * h * h // t, h * m.ffn_hidden_size // t] if w.layers_on(pp_rank) or w.last(pp_rank) else [0]
+    sizes = ([(h + 2 * m.kv_size) * h // t, m.mlp_in_size * h // t] if w.layers_on(pp_rank) or w.last(pp_rank)
+             else [0])
     if w.first(pp_rank) or w.last(pp_rank):
         sizes.append(m.padded_vocab_size // t * h)
     if w.first(pp_rank):
@@ -173,17 +199,18 @@ def largest_parameter(w: Workload, pp_rank: int) -> int:
 
 def sequence_parallel_parameters(w: Workload, pp_rank: int) -> int:
     """Elements of the sequence-parallel parameters on one rank of stage ``pp_rank`` (replicated over TP, applied to
-    this rank's part of the sequence): per layer the two LayerNorms and the two row-parallel biases (6h); the
-    position table on the first stage; the final LayerNorm and the top query table on the last. Their gradients are
+    this rank's part of the sequence): per layer the two norms and the two row-parallel biases
+    (``replicated_layer_parameters``: 6h for CodeGeeX's LayerNorms with biases, 2h for RMSNorm without biases); the
+    position table on the first stage; the final norm and the top query table on the last. Their gradients are
     all-reduced over TP once per micro-batch backward (tensor_parallel/layers.py). None without SP."""
     if not w.sp:
         return 0
     m, h = w.model, w.model.hidden_size
-    n = (w.layers_on(pp_rank) + w.top_query_on(pp_rank)) * 6 * h
+    n = (w.layers_on(pp_rank) + w.top_query_on(pp_rank)) * replicated_layer_parameters(m)
     if w.first(pp_rank):
         n += m.position_table_rows * h
     if w.last(pp_rank):
-        n += 2 * h + (m.top_query_rows * h if m.top_query_layer else 0)
+        n += norm_parameters(m) + (m.top_query_rows * h if m.top_query_layer else 0)
     return n
 
 
@@ -258,7 +285,8 @@ def recomputed_attentions(w: Workload, pp_rank: int = 0) -> int:
 def cp_bytes_per_microbatch(w: Workload, pp_rank: int = 0) -> dict[str, int]:
     """Bytes one rank of stage ``pp_rank`` sends in its CP group per micro-batch, by cause: every attention (each
     layer's and the top query layer's) is one ring attention over the n CP ranks (context_parallel/ring_attention.py,
-    ``ring_attention_bytes``), its K/V and dK/dV (b, a/t, s/n, h/a) in the compute dtype, kv = 2 b (s/n) h e / t:
+    ``ring_attention_bytes``), its K/V and dK/dV (b, g/t, s/n, d) in the compute dtype, g the key-value groups (a
+    without grouped-query attention, and in the top query layer, which is multi-head), kv = 2 b (s/n) g d e / t:
 
     forward    n - 1 hops of this rank's K and V: (n - 1) kv per attention
     backward   n - 1 hops of K and V again and n of the travelling dK/dV (the last one home): (2n - 1) kv
@@ -269,13 +297,26 @@ def cp_bytes_per_microbatch(w: Workload, pp_rank: int = 0) -> dict[str, int]:
     if w.cp_size == 1:
         return terms
     m = w.model
-    ring = ring_attention_bytes(w.plan.micro_batch_size, m.num_attention_heads // w.tp_size, w.local_seq_length,
-                                m.head_dim, w.cp_size, w.dtype_bytes)
-    attentions = w.layers_on(pp_rank) + w.top_query_on(pp_rank)
-    terms["forward"] = attentions * ring.forward
-    terms["backward"] = attentions * ring.backward
-    terms["recompute"] = recomputed_attentions(w, pp_rank) * ring.forward
+
+    def ring(kv_heads: int):
+        return ring_attention_bytes(w.plan.micro_batch_size, kv_heads // w.tp_size, w.local_seq_length, m.head_dim,
+                                    w.cp_size, w.dtype_bytes)
+
+    layer, top_query = ring(m.kv_groups), ring(m.num_attention_heads)  # the top query layer is multi-head
+    layers, top = w.layers_on(pp_rank), w.top_query_on(pp_rank)
+    terms["forward"] = layers * layer.forward + top * top_query.forward
+    terms["backward"] = layers * layer.backward + top * top_query.backward
+    again = recomputed_attentions(w, pp_rank)
+    top_again = 1 if top and again > recomputed_layer_attentions(w, pp_rank) else 0
+    terms["recompute"] = (again - top_again) * layer.forward + top_again * top_query.forward
     return terms
+
+
+def recomputed_layer_attentions(w: Workload, pp_rank: int = 0) -> int:
+    """``recomputed_attentions`` of the regular layers alone (the top query layer left out)."""
+    if w.recompute.selects("core_attn"):
+        return w.layers_on(pp_rank)
+    return sum(full_unit_counts(w.recompute, n)[1] for n in w.chunk_sizes(pp_rank))
 
 
 def comm_bytes_per_step(w: Workload, pp_rank: int = 0) -> dict[str, int]:
@@ -301,14 +342,17 @@ def comm_bytes_per_step(w: Workload, pp_rank: int = 0) -> dict[str, int]:
         out["pp"] = w.plan.num_microbatches * sends * b * (s // w.tp_size if w.sp else s) * h * e  # p2p_shape
     grad_bytes = 4 if w.dtype_bytes == 4 else w.dtype_bytes  # ZeRO reduces gradients in the param dtype
     tied = m.padded_vocab_size // w.tp_size * h * 4  # fp32 full gradient of the word table
-    if w.pp_size > 1 and (w.first(pp_rank) or w.last(pp_rank)):
-        out["embedding"] = 2 * tied  # the two copies' gradients summed (pipeline/shared_embedding.py)
+    # Tied, the two copies' gradients are summed (pipeline/shared_embedding.py); untied, the output layer is a
+    # parameter of the last stage alone: no embedding group traffic, its gradient reduced over DP like any other.
+    shares_table = m.tied_output and w.pp_size > 1 and (w.first(pp_rank) or w.last(pp_rank))
+    if shares_table:
+        out["embedding"] = 2 * tied
     if w.dp_cp_size > 1:
         params = stage_parameters(w, pp_rank)
         # ZeRO-2 all-reduces every micro-batch's gradients bucket by bucket (DeepSpeed's reduce_scatter is a
         # bucket all-reduce plus slicing), then all-gathers the updated weights after the step.
         dp = w.plan.num_microbatches * 2 * params * grad_bytes + dp_allgather_bytes(w, pp_rank)
-        if w.pp_size > 1 and (w.first(pp_rank) or w.last(pp_rank)):
+        if shares_table:
             dp += 2 * tied  # safe_get_full_grad of the tied copy: one all-reduce over DP
         out[w.dp_group] = dp
     return out
@@ -347,21 +391,46 @@ def _mask_bytes(w: Workload, p: float) -> int:
     return w.dtype_bytes if w.device == "cpu" else 1
 
 
-def attention_core_bytes(w: Workload) -> int:
+def window_masked(w: Workload) -> bool:
+    """Whether attention runs with a mask instead of SDPA's causal flag: the sliding window's (1, 1, s, s) band
+    (--window-size; model/attention.py's ``training_attention_mask``), without CP (the ring masks block by block)."""
+    return w.model.window_size is not None and w.cp_size == 1
+
+
+def attention_core_bytes(w: Workload, top_query: bool = False) -> int:
     """What the attention core (QK^T, softmax, dropout, x V) keeps beyond Q, K, V and its output, one rank. Under CP
     the ring attention (any device) keeps its merged output (b, a/t, s/n, h/a), which the dense layer's input is a
     copy of, and the fp32 log-sum-exp: e sbh / t + 4 a s b / t at the local s; never an s x s block (its dropout
-    masks are redrawn in backward)."""
+    masks are redrawn in backward).
+
+    Grouped-query attention (kv = g d < h) keeps its K and V as g groups only where SDPA takes them so (enable_gqa):
+    a fused kernel on the causal path. Behind a mask (the sliding window) they are repeated to the a heads first
+    (context_parallel/ring_attention.py's ``sdpa``: the memory-efficient kernel has no enable_gqa), and the math path
+    repeats them itself: 2 e s b (h - kv) / t more, the repeated copies being what SDPA keeps (a masked fused call
+    without RoPE keeps 2 e s b kv / t more: its groups are views of the fused QKV output, which the queries keep
+    alive; measured on CPU, torch 2.13). A masked fused call
+    also keeps the additive mask SDPA makes of the bool band, in the compute dtype: e s^2 per attention (broadcast
+    over the batch and the heads, the same on every TP rank); the math path adds the mask to the scores and keeps
+    nothing of it. The top query layer (``top_query``) is multi-head: nothing to repeat."""
     m = w.model
     b, s, a, e, t = w.plan.micro_batch_size, w.local_seq_length, m.num_attention_heads, w.dtype_bytes, w.tp_size
     if w.cp_size > 1:
         return e * s * b * m.hidden_size // t + 4 * a * s * b // t
+    kv = m.hidden_size if top_query else m.kv_size
+    # The repeated K and V (a heads each) beside what "qkv" counts (the groups): 2 (h - kv) more, except behind a
+    # fused kernel's mask without RoPE, where the groups are views of the fused QKV output that the queries keep
+    # alive (2h more; the math path scales a copy of the queries instead).
+    repeated_kv = 2 * e * s * b * (m.hidden_size - kv) // t
     if fused_attention(w):
-        return 4 * a * s * b // t  # fp32 log-sum-exp per head and query
+        lse = 4 * a * s * b // t  # fp32 log-sum-exp per head and query
+        if not window_masked(w):
+            return lse
+        viewed_groups = 2 * e * s * b * kv // t if kv < m.hidden_size and not m.rope else 0
+        return lse + repeated_kv + viewed_groups + e * s * s
     probs = e * a * s * s * b // t
     if m.attention_dropout == 0.0:
-        return probs
-    return probs + (_mask_bytes(w, m.attention_dropout) + e) * a * s * s * b // t
+        return probs + repeated_kv
+    return probs + (_mask_bytes(w, m.attention_dropout) + e) * a * s * s * b // t + repeated_kv
 
 
 def layer_activation_bytes(w: Workload, top_query: bool = False) -> dict[str, int]:
@@ -373,13 +442,14 @@ def layer_activation_bytes(w: Workload, top_query: bool = False) -> dict[str, in
     (accounting/memory.py; tests/accounting/test_comm_accounting.py). Per layer, on one rank (r = t under SP, else 1):
 
       kept whole, or s/t of it under SP (/r)         kept by the TP rank's heads and MLP columns (/t)
-      LayerNorm inputs           2 e sbh             Q, K, V (the QKV output)      3 e sbh
+      LayerNorm inputs           2 e sbh             Q, K, V (the QKV output)      e sb (h + 2 kv)
       LayerNorm mean, rstd       2 x 2 x 4 sb        attention output (dense in)     e sbh
-      column-parallel inputs     2 e sbh             MLP activation input            e f sb
-      hidden dropout masks       2 k sbh             MLP activation output           e f sb
-                                                     attention core: fused 4 a s b (fp32 log-sum-exp); math path
+        (RMSNorm: rstd only      2 x 4 sb)           MLP activation input            e f sb (SwiGLU: 2 e f sb)
+      column-parallel inputs     2 e sbh             MLP activation output           e f sb
+      hidden dropout masks       2 k sbh             attention core: fused 4 a s b (fp32 log-sum-exp); math path
                                                      e a s^2 b (probabilities) + (k' + e) a s^2 b with dropout
-                                                     (its mask, the dropped probabilities)
+                                                     (its mask, the dropped probabilities); GQA and the window:
+                                                     ``attention_core_bytes``
 
     k = dropout mask bytes per element: 1 on CUDA (a bool mask), e on CPU (torch multiplies by a scaled noise tensor
     in the input dtype), 0 without dropout; k' the same for attention dropout. The top query layer also keeps its
@@ -393,6 +463,10 @@ def layer_activation_bytes(w: Workload, top_query: bool = False) -> dict[str, in
     ids (int64; under TP the local ids and the out-of-range mask) and the embedding dropout mask; the last the final
     LayerNorm's input and statistics, the output layer's input (e sbh, gathered whole under SP, as Megatron's output
     layer keeps it) and the loss's fp32 exp(logits) (4 b s V / t) and per-token numbers.
+
+    kv = h without grouped-query attention (and in the top query layer). SwiGLU (model/mlp.py) keeps its [gate; up]
+    input alone and recomputes the sigmoid; its output, the product, is the second linear's input (``mlp_act``
+    drops it). RMSNorm (model/norms.py) keeps its input and one fp32 rstd per token.
 
     Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", fp16, 1-byte masks,
     no fused attention, LayerNorm statistics ignored), per layer:
@@ -413,17 +487,24 @@ def layer_activation_bytes(w: Workload, top_query: bool = False) -> dict[str, in
     e, t = w.dtype_bytes, w.tp_size
     r = t if w.sp else 1
     sbh, rc = s * b * h, w.recompute
+    kv = h if top_query else m.kv_size  # the top query layer stays multi-head
     return {
         "layernorm_inputs": 2 * e * sbh // r,
-        "layernorm_statistics": 2 * 2 * 4 * s * b // r,
+        "layernorm_statistics": 2 * norm_statistics_bytes(m, s * b) // r,
         "column_inputs": (0 if rc.selects("layernorm") else 2 * e * sbh // r) + (e * sbh // r if top_query else 0),
         "dropout_masks": 2 * _mask_bytes(w, m.hidden_dropout) * sbh // r,
-        "qkv": 3 * e * sbh // t,
+        "qkv": e * s * b * (h + 2 * kv) // t,
         "attention_output": e * sbh // t,
-        "attention_core": 0 if rc.selects("core_attn") else attention_core_bytes(w),
-        "mlp_activation_input": e * s * b * f // t,
+        "attention_core": 0 if rc.selects("core_attn") else attention_core_bytes(w, top_query),
+        "mlp_activation_input": e * s * b * m.mlp_in_size // t,
         "mlp_activation_output": 0 if rc.selects("mlp_act") else e * s * b * f // t,
     }
+
+
+def norm_statistics_bytes(model: ModelConfig, tokens: int) -> int:
+    """What one norm keeps per token beyond its input, fp32: LayerNorm's mean and rstd, RMSNorm's rstd
+    (model/norms.py)."""
+    return (1 if model.normalization == "RMSNorm" else 2) * 4 * tokens
 
 
 def full_unit_counts(rc: Recompute, num_layers: int) -> tuple[int, int, int]:
@@ -441,7 +522,9 @@ def activation_parts(w: Workload, pp_rank: int = 0, chunk: int | None = None) ->
     """What one rank of stage ``pp_rank`` keeps for one micro-batch's backward, by part: ``layers`` (the stage's
     regular layers), ``top_query_layer``, ``embedding`` (first stage), ``output`` (last stage: final LayerNorm,
     output layer, loss), ``rotary`` (RoPE: the (cos, sin) tables (2, b, s, 1, r/2) a chunk's attentions share, e
-    each). ``chunk``: the forward of that model chunk alone (interleaved 1F1B: its 1/v of the stage's layers, the
+    each), ``window_mask`` (--window-size under recompute: the chunk's (1, 1, s, s) bool band, kept once as an input of
+    the recomputed attentions; without recompute each attention keeps its own additive copy, counted in the
+    layers). ``chunk``: the forward of that model chunk alone (interleaved 1F1B: its 1/v of the stage's layers, the
     embedding in the first virtual stage, the rest in the last); None: every chunk of the stage."""
     if chunk is None:
         per_chunk = [activation_parts(w, pp_rank, c) for c in range(w.num_chunks)]
@@ -455,9 +538,13 @@ def activation_parts(w: Workload, pp_rank: int = 0, chunk: int | None = None) ->
     layer = sum(layer_activation_bytes(w).values())
     units, recomputed, _ = full_unit_counts(w.recompute, layers)
     parts = {"layers": (layers - recomputed) * layer + units * e * sbh // r,
-             "top_query_layer": 0, "embedding": 0, "output": 0, "rotary": 0}
+             "top_query_layer": 0, "embedding": 0, "output": 0, "rotary": 0, "window_mask": 0}
     if m.rope and (layers or (last and m.top_query_layer)):
         parts["rotary"] = b * s * m.rotary_dim * e
+    top_query_recomputed = last and m.top_query_layer and w.recompute.covers_top_query_layer(layers)
+    if window_masked(w) and (w.recompute.selects("core_attn") and (layers or last and m.top_query_layer)
+                             or recomputed or top_query_recomputed):
+        parts["window_mask"] = s * s  # the chunk's bool band, an input recomputation keeps by reference
     if last and m.top_query_layer:
         if w.recompute.covers_top_query_layer(layers):
             parts["top_query_layer"] = 2 * e * sbh // r  # the unit's inputs: hidden states and queries
@@ -470,7 +557,7 @@ def activation_parts(w: Workload, pp_rank: int = 0, chunk: int | None = None) ->
         positions = 0 if m.rope else ids
         parts["embedding"] = ids + (b * s if t > 1 else 0) + positions + _mask_bytes(w, m.hidden_dropout) * sbh // r
     if last:
-        final_layernorm = e * sbh // r + 2 * 4 * s * b // r
+        final_layernorm = e * sbh // r + norm_statistics_bytes(m, s * b) // r
         logits_input = e * sbh  # all-gathered under SP
         # exp(logits); the sum of exp (under TP a view of the all-reduced (sum, target logit) pair), local target
         # ids, two masks
@@ -546,11 +633,21 @@ def activations_in_flight(per_chunk: Sequence[int], pp_size: int, pp_rank: int, 
     ``microbatches_in_flight`` pairs held together (the first and last stages' end chunks are the heavier ones)."""
     if len(per_chunk) == 1:
         return per_chunk[0] * min(pp_size - pp_rank, num_microbatches)
-    held = peak = 0
-    for step in interleaved_one_f_one_b(pp_size, pp_rank, num_microbatches, len(per_chunk)):
-        held += per_chunk[step.chunk] if step.kind == "F" else -per_chunk[step.chunk]
-        peak = max(peak, held)
-    return peak
+    held = held_chunk_counts(pp_size, pp_rank, num_microbatches, len(per_chunk))
+    return max(sum(n * b for n, b in zip(counts, per_chunk)) for counts in held)
+
+
+@lru_cache(maxsize=1024)
+def held_chunk_counts(pp_size: int, pp_rank: int, num_microbatches: int, num_chunks: int) -> frozenset:
+    """The (micro-batches of chunk 0, of chunk 1, ...) a rank holds after each forward of its interleaved 1F1B
+    schedule, the distinct ones (a peak follows a forward; also (0, ...) for a schedule without one). Replayed once
+    per schedule: the planner asks for the same one for every micro-batch size and option of a layout."""
+    held, seen = [0] * num_chunks, {(0,) * num_chunks}
+    for step in interleaved_one_f_one_b(pp_size, pp_rank, num_microbatches, num_chunks):
+        held[step.chunk] += 1 if step.kind == "F" else -1
+        if step.kind == "F":
+            seen.add(tuple(held))
+    return frozenset(seen)
 
 
 @dataclass

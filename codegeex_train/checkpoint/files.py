@@ -64,7 +64,9 @@ META_KEY = "codegeex_train"
 # Fields that change parameter shapes or names; the rest (dropout, init std, ...) may differ on load. Under RoPE no
 # table has a row per position: --max-position-embeddings is then the longest sequence only, free to change.
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
-                "padded_vocab_size", "top_query_layer", "position_embedding_type")
+                "padded_vocab_size", "top_query_layer", "position_embedding_type",
+                # the architecture switches, by what they change in the parameters (ModelConfig's properties)
+                "normalization", "swiglu", "kv_groups", "linear_bias", "qkv_bias", "tied_output")
 # Fields that change the function but not the shapes: a mismatch only warns (e.g. fine-tuning choices; a larger
 # --rotary-base to extend the context).
 FUNCTION_FIELDS = ("activation", "layernorm_epsilon", "rotary_percent", "rotary_base", "rotary_interleaved")

@@ -150,10 +150,33 @@ def _model_flags(stored: ModelConfig, config: ModelConfig) -> str:
              and not (k == "max_position_embeddings" and stored.rope)]  # RoPE: no table to match
     if stored.top_query_layer != config.top_query_layer:
         flags.append("--top-query-layer" if stored.top_query_layer else "--no-top-query-layer")
+    flags += _architecture_flags(stored, config)
     if stored.padded_vocab_size != config.padded_vocab_size:
         flags.append(f"the tokenizer flags it was trained with (a vocabulary padded to {stored.padded_vocab_size}, "
                      f"see --make-vocab-size-divisible-by)")
     return ", ".join(flags)
+
+
+def _architecture_flags(stored: ModelConfig, config: ModelConfig) -> list[str]:
+    """The architecture switches (with the checkpoint's settings) on which this run differs from it."""
+    def on_off(flag: str, on: bool) -> str:
+        return flag if on else f"no {flag}"
+
+    flags = []
+    if stored.normalization != config.normalization:
+        flags.append(f"--normalization {stored.normalization}")
+    if stored.swiglu != config.swiglu:
+        flags.append(on_off("--swiglu", stored.swiglu))
+    if stored.kv_groups != config.kv_groups:
+        grouped = stored.kv_groups != stored.num_attention_heads
+        flags.append(f"--group-query-attention --num-query-groups {stored.kv_groups}" if grouped
+                     else "no --group-query-attention")
+    if (stored.linear_bias, stored.qkv_bias) != (config.linear_bias, config.qkv_bias):
+        flags.append("no --disable-bias-linear" if stored.linear_bias else
+                     "--disable-bias-linear" + (" --add-qkv-bias" if stored.qkv_bias else " (no --add-qkv-bias)"))
+    if stored.tied_output != config.tied_output:
+        flags.append(on_off("--untie-embeddings-and-output-weights", not stored.tied_output))
+    return flags
 
 
 def _check_same_model(load_dir: str, tag: str, meta: dict, config: ModelConfig) -> None:

@@ -4,7 +4,8 @@
     completions = gen.generate(["def fib(n):\\n"], SamplingParams(max_new_tokens=64, stop=HUMANEVAL_STOP))
 
 **Cache.** ``model.new_kv_cache(b, capacity)`` holds, for each regular layer and for the top query layer,
-this rank's heads' keys and values (b, heads/tp, capacity, d); see ``codegeex_train/model/attention.py``.
+this rank's key-value groups' keys and values (b, groups/tp, capacity, d: the heads' without grouped-query attention;
+the top query layer's are its heads'); see ``codegeex_train/model/attention.py``.
 The top query layer caches like the others: its keys and values come from the final hidden states of
 each position, its query from the top query embedding of the position being processed, so one decoding
 step is the same maths as the full forward's last position.

@@ -5,6 +5,22 @@ FULL weight keeps GPT-2's [Q; K; V] block layout while rank r holds [Q_r; K_r; V
 each block). The output projection is row-parallel: one all-reduce forward, and the f inside the
 column-parallel input gives the one all-reduce backward.
 
+Grouped-query attention (--group-query-attention --num-query-groups g): n query heads share g key-value groups,
+query head j using group j // (n/g) (Hugging Face's repeat_kv order). The fused weight is [Q (n·d rows); K (g·d);
+V (g·d)] and is split in blocks of (n, g, g) (stride (n, g, g)), so TP rank r holds its n/tp query heads and the
+g/tp groups they use: the groups never cross a rank (TP must divide g: layout/plan.py's kv_groups_per_tp_rank).
+Core attention takes the g/tp groups as they are (SDPA's enable_gqa on the causal path; with a mask, K/V repeated to
+the heads first: context_parallel/ring_attention.py's ``sdpa`` says why), the KV cache and the ring hold groups
+only. The top query layer stays multi-head. --disable-bias-linear drops the output projection's bias (and the
+projections' unless --add-qkv-bias).
+
+Sliding-window attention (--window-size W, Hugging Face's sliding_window): query i sees keys i - W < j <= i only
+(sequence indices, not position ids). Training builds one (1, 1, s, s) band mask per forward
+(``training_attention_mask``, anded with document masking's when there is one) that every attention reads like the
+document mask (a window of s or more leaves the causal path as it is); under CP the ring builds each block's part from
+global positions and skips blocks outside the window; the KV cache and KVSlots mask cached keys older than W (they
+still hold every position: a rolling buffer of W would bound their memory).
+
 Incremental decoding (codegeex_train/generation) passes a ``KVCache`` slot to each attention: the keys and
 values of this step's tokens are written into it and the queries attend over every cached position. Without
 a cache (training, evaluation) the code path is the one above, unchanged.
@@ -47,8 +63,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from codegeex_train.config.model_config import ModelConfig
-from codegeex_train.context_parallel.ring_attention import ring_attention
-from codegeex_train.layout.plan import ParallelPlan
+from codegeex_train.context_parallel.ring_attention import ring_attention, sdpa, window_mask
+from codegeex_train.layout.plan import ParallelPlan, kv_groups_per_tp_rank
 from codegeex_train.model.groups import ModelGroups
 from codegeex_train.model.init import ParamInit
 from codegeex_train.model.rotary import apply_rotary
@@ -59,7 +75,7 @@ from codegeex_train.tensor_parallel import (
     divide,
     recompute_activations,
 )
-from codegeex_train.tensor_parallel.mappings import ProcessGroup
+from codegeex_train.tensor_parallel.mappings import ProcessGroup, group_size
 
 
 def _split_heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -67,24 +83,36 @@ def _split_heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     return x.view(b, s, -1, head_dim).transpose(1, 2)  # (b, heads/tp, s, d)
 
 
+def kv_heads_of(num_attentions: int, groups_per_partition: int, heads_per_partition: int,
+                top_query_layer: bool) -> list[int]:
+    """The key-value heads this rank caches for each attention of a stage: its layers' groups, then (the top query
+    layer, multi-head) its heads."""
+    return [groups_per_partition] * (num_attentions - top_query_layer) + [heads_per_partition] * top_query_layer
+
+
 class KVCache:
     """Keys and values of every attention of a model stage (its layers in order, then the top query layer)
     for the tokens seen so far, for incremental decoding.
 
-    Buffers are allocated once: keys and values (attentions, b, heads/tp, capacity, d), this rank's heads
-    only, and ``valid`` (b, capacity): which cached positions hold real tokens (False: left padding).
+    Buffers are allocated once: per attention, keys and values (b, kv heads/tp, capacity, d), this rank's key-value
+    groups only (``kv_heads``: a count per attention, or one for all; ``kv_heads_of``: the top query layer, multi-head,
+    caches its heads), and ``valid`` (b, capacity): which cached positions hold real tokens (False: left padding).
     ``length`` positions are filled. A forward with the cache calls ``begin`` (s new positions and their
     padding; builds the one mask every attention uses), each attention writes its new keys and values
     with ``update`` and attends over positions 0 .. length + s - 1, and ``commit`` then advances ``length``.
+    ``window``: --window-size (keys more than W - 1 positions back are masked).
     """
 
-    def __init__(self, num_attentions: int, batch_size: int, capacity: int, heads_per_partition: int, head_dim: int,
-                 *, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
-        shape = (num_attentions, batch_size, heads_per_partition, capacity, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+    def __init__(self, num_attentions: int, batch_size: int, capacity: int, kv_heads: int | list[int], head_dim: int,
+                 *, window: int | None = None, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None):
+        heads = [kv_heads] * num_attentions if isinstance(kv_heads, int) else list(kv_heads)
+        if len(heads) != num_attentions:
+            raise ValueError(f"kv_heads: {len(heads)} counts for {num_attentions} attentions")
+        self.keys = [torch.zeros(batch_size, n, capacity, head_dim, dtype=dtype, device=device) for n in heads]
+        self.values = [torch.zeros_like(k) for k in self.keys]
         self.valid = torch.zeros(batch_size, capacity, dtype=torch.bool, device=device)
-        self.capacity, self.length, self.new = capacity, 0, 0
+        self.capacity, self.length, self.new, self.window = capacity, 0, 0, window
         self.padded = False  # any invalid position cached: every later step needs a mask
         self.mask: torch.Tensor | None = None  # (b, 1, s, length + s) bool for the forward in flight, or None
 
@@ -99,22 +127,24 @@ class KVCache:
             self.valid[:, start:end] = padding_mask
             self.padded = self.padded or not bool(padding_mask.all())
         self.new = seq_len
-        if seq_len == 1 and not self.padded:
+        if seq_len == 1 and not self.padded and (self.window is None or end <= self.window):
             self.mask = None  # one query, every cached key visible
             return
-        # Query i (absolute position start + i) sees keys j <= start + i that are real tokens. A padding
-        # query also sees itself, so that no softmax row is empty (its output is never attended to).
+        # Query i (absolute position start + i) sees keys j <= start + i that are real tokens (and within the
+        # window). A padding query also sees itself, so that no softmax row is empty (its output is never attended to).
         q_pos = torch.arange(start, end, device=self.valid.device)[:, None]
         k_pos = torch.arange(end, device=self.valid.device)[None, :]
         mask = (k_pos <= q_pos) & self.valid[:, None, :end]  # (b, s, end)
+        if self.window is not None:
+            mask = mask & (k_pos > q_pos - self.window)
         self.mask = (mask | (k_pos == q_pos)).unsqueeze(1)  # (b, 1, s, end)
 
     def update(self, index: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write attention ``index``'s new keys and values (b, heads/tp, s, d); return all so far."""
+        """Write attention ``index``'s new keys and values (b, kv heads/tp, s, d); return all so far."""
         end = self.length + self.new
-        self.keys[index, :, :, self.length:end] = k
-        self.values[index, :, :, self.length:end] = v
-        return self.keys[index, :, :, :end], self.values[index, :, :, :end]
+        self.keys[index][:, :, self.length:end] = k
+        self.values[index][:, :, self.length:end] = v
+        return self.keys[index][:, :, :end], self.values[index][:, :, :end]
 
     def commit(self) -> None:
         self.length += self.new
@@ -131,8 +161,10 @@ class KVCacheSlot:
         self.cache, self.index = cache, index
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Store k, v (b, n/tp, s, d); attend q (b, n/tp, s, d) over every cached position (no dropout)."""
+        """Store k, v (b, g/tp, s, d); attend q (b, n/tp, s, d) over every cached position (no dropout)."""
         k, v = self.cache.update(self.index, k, v)
+        if k.shape[1] != q.shape[1]:  # groups: SDPA reads each cached group once for its heads
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=self.cache.mask, enable_gqa=True)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=self.cache.mask)
 
 
@@ -146,55 +178,75 @@ def document_attention_mask(document_ids: torch.Tensor) -> torch.Tensor:
     return (same & causal).unsqueeze(1)  # (b, 1, s, s), broadcast over heads
 
 
+def training_attention_mask(document_ids: torch.Tensor | None, seq_len: int, window: int | None,
+                            device: torch.device | str | None = None) -> tuple[torch.Tensor, ...]:
+    """() (the plain causal path) or the one bool mask every attention of a training forward reads: document
+    masking's (b, 1, s, s), the sliding window's (1, 1, s, s) band, or both anded. ``window``: --window-size, None
+    under CP (the ring masks its blocks itself); one of s or more changes nothing (the causal path stays)."""
+    mask = None if document_ids is None else document_attention_mask(document_ids)
+    if window is not None and window < seq_len:
+        positions = torch.arange(seq_len, device=device if document_ids is None else document_ids.device)
+        band = window_mask(positions, positions, window)[None, None]  # (1, 1, s, s)
+        mask = band if mask is None else mask & band
+    return () if mask is None else (mask,)
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int, dropout_p: float,
                      rng_tracker: RNGStatesTracker | None, cache: KVCacheSlot | None = None,
                      mask: torch.Tensor | None = None) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d) + causal) v on (b, s, heads/tp * d) inputs -> (b, s, heads/tp * d).
+    """softmax(q k^T / sqrt(d) + causal) v on (b, s, heads/tp * d) q and (b, s, groups/tp * d) k, v inputs ->
+    (b, s, heads/tp * d).
 
-    ``mask`` (b, 1, s, s) bool (True: attend): the block-causal mask of document masking instead of the plain
-    causal one. With ``cache``: q, k, v are the new positions'; keys and values are appended to the cache and the
-    queries attend over everything cached (decoding, dropout off)."""
-    q, k, v = (_split_heads(t, head_dim) for t in (q, k, v))  # (b, n/tp, s, d)
-    causal = {"is_causal": True} if mask is None else {"attn_mask": mask}
+    ``mask`` (b | 1, 1, s, s) bool (True: attend): document masking's block-causal mask and / or the sliding window's
+    band (``training_attention_mask``) instead of the plain causal one. With ``cache``: q, k, v are the new
+    positions'; keys and values are appended to the cache and the queries attend over everything cached (decoding,
+    dropout off)."""
+    q, k, v = (_split_heads(t, head_dim) for t in (q, k, v))  # (b, n/tp, s, d); k, v (b, g/tp, s, d)
     if cache is not None:
         ctx = cache.attend(q, k, v)
     elif dropout_p > 0.0 and rng_tracker is not None:
         # The probabilities belong to this rank's heads only: draw the mask from the TP-rank stream,
         # or every rank would repeat the same mask on different heads.
         with rng_tracker.fork():
-            ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, **causal)
+            ctx = sdpa(q, k, v, mask, dropout_p)
     else:
-        ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, **causal)
+        ctx = sdpa(q, k, v, mask, dropout_p)
     b, _, s, _ = ctx.shape
     return ctx.transpose(1, 2).reshape(b, s, -1)  # (b, s, h/tp)
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int, dropout_p: float,
-                               rng_tracker: RNGStatesTracker | None, cp_group: ProcessGroup) -> torch.Tensor:
+                               rng_tracker: RNGStatesTracker | None, cp_group: ProcessGroup,
+                               window: int | None = None) -> torch.Tensor:
     """``causal_attention`` over the whole sequence when this rank holds its CP share (two chunks, context_parallel/
-    chunks.py): ring attention over ``cp_group``. (b, 2c, heads/tp * d) inputs -> (b, 2c, heads/tp * d)."""
-    q, k, v = (_split_heads(t, head_dim) for t in (q, k, v))  # (b, n/tp, 2c, d)
-    ctx = ring_attention(q, k, v, cp_group, dropout_p=dropout_p, rng_tracker=rng_tracker)
+    chunks.py): ring attention over ``cp_group`` (sliding ``window``: from the chunks' global positions).
+    (b, 2c, heads/tp * d) q, (b, 2c, groups/tp * d) k, v -> (b, 2c, heads/tp * d)."""
+    q, k, v = (_split_heads(t, head_dim) for t in (q, k, v))  # (b, n/tp, 2c, d); k, v (b, g/tp, 2c, d)
+    ctx = ring_attention(q, k, v, cp_group, dropout_p=dropout_p, rng_tracker=rng_tracker, window=window)
     b, _, s, _ = ctx.shape
     return ctx.transpose(1, 2).reshape(b, s, -1)  # (b, 2c, h/tp)
 
 
 def core_attention(q, k, v, head_dim: int, dropout_p: float, rng_tracker: RNGStatesTracker | None,
                    cache: KVCacheSlot | None, recompute: bool, mask: torch.Tensor | None = None,
-                   cp_group: ProcessGroup | None = None) -> torch.Tensor:
+                   cp_group: ProcessGroup | None = None, window: int | None = None) -> torch.Tensor:
     """``causal_attention`` (ring attention over ``cp_group``, given under context parallelism only), re-run in
     backward instead of kept when ``recompute`` (training with grad only); the mask is one of the recomputed
-    function's inputs."""
+    function's inputs. ``window`` (--window-size): the ring masks by it; without CP the mask must hold the band
+    (``training_attention_mask``) and a KV cache masks by its own."""
     if cache is not None and mask is not None:
         raise ValueError("a KV cache builds its own mask: document masking is for training")
     if cp_group is not None:
         if cache is not None or mask is not None:
             raise ValueError("context parallelism is for training without document masking: no KV cache, no mask")
         attend_cp = lambda q_, k_, v_: context_parallel_attention(q_, k_, v_, head_dim, dropout_p,  # noqa: E731
-                                                                  rng_tracker, cp_group)
+                                                                  rng_tracker, cp_group, window)
         if recompute and torch.is_grad_enabled():  # the forward ring runs again in backward
             return recompute_activations(attend_cp, rng_tracker, q, k, v)
         return attend_cp(q, k, v)
+    if window is not None and window < q.shape[1] and cache is None and mask is None:
+        raise ValueError(f"--window-size {window}: the attention needs the band mask (model/attention.py's "
+                         f"training_attention_mask), or it would see the whole causal prefix")
     if recompute and cache is None and torch.is_grad_enabled():
         def attend(q_, k_, v_, *mask_):
             return causal_attention(q_, k_, v_, head_dim, dropout_p, rng_tracker, mask=mask_[0] if mask_ else None)
@@ -216,42 +268,51 @@ class _Attention(nn.Module):
         h = config.hidden_size
         self.head_dim, self.dropout_p, self.rng_tracker = config.head_dim, config.attention_dropout, rng_tracker
         self.cp_group = groups.cp  # context parallelism: ring attention over it (None: SDPA)
+        self.window = config.window_size
         self.rotary_interleaved = config.rotary_interleaved
         self.recompute_core = plan.recompute.selects("core_attn")
         self.hidden_per_partition = divide(h, groups.tp_size, "hidden size")
         linear = {"sequence_parallel": plan.sp, "dtype": dtype, "device": device}
-        self._projections(h, groups.tp, init, prefix, linear)
-        self.dense = RowParallelLinear(h, h, groups.tp, input_is_parallel=True,
+        self._projections(config, groups.tp, init, prefix, linear)
+        self.dense = RowParallelLinear(h, h, groups.tp, input_is_parallel=True, bias=config.linear_bias,
                                        init_method=init.scaled(prefix + "dense.weight"), **linear)
 
-    def _projections(self, h: int, tp_group: ProcessGroup | None, init: ParamInit, prefix: str, linear: dict) -> None:
+    def _projections(self, config: ModelConfig, tp_group: ProcessGroup | None, init: ParamInit, prefix: str,
+                     linear: dict) -> None:
         raise NotImplementedError
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                 cache: KVCacheSlot | None, rotary: torch.Tensor | None) -> torch.Tensor:
-        """(b, s, h/tp) q, k, v -> (b, s, h), or (b, s/tp, h) under SP."""
+        """(b, s, h/tp) q, (b, s, kv channels/tp) k, v -> (b, s, h), or (b, s/tp, h) under SP."""
         if rotary is not None:  # new q, k; v copied too, so that nothing keeps the fused output alive for backward
             q, k = (apply_rotary(t, rotary, self.head_dim, self.rotary_interleaved) for t in (q, k))
             v = v.contiguous()
         p = self.dropout_p if self.training else 0.0
         ctx = core_attention(q, k, v, self.head_dim, p, self.rng_tracker, cache, self.recompute_core,
-                             mask, self.cp_group)  # (b, s, h/tp)
+                             mask, self.cp_group, self.window)  # (b, s, h/tp)
         return self.dense(ctx)
 
 
 class ParallelSelfAttention(_Attention):
-    """GPT-2 attention: fused QKV column-parallel (stride 3), causal SDPA, row-parallel output."""
+    """GPT-2 attention: fused QKV column-parallel (stride 3; under GQA blocks of (heads, groups, groups)), causal
+    SDPA, row-parallel output."""
 
-    def _projections(self, h: int, tp_group: ProcessGroup | None, init: ParamInit, prefix: str, linear: dict) -> None:
-        self.query_key_value = ColumnParallelLinear(h, 3 * h, tp_group, stride=3,
+    def _projections(self, config: ModelConfig, tp_group: ProcessGroup | None, init: ParamInit, prefix: str,
+                     linear: dict) -> None:
+        h, n, g = config.hidden_size, config.num_attention_heads, config.kv_groups
+        self.kv_per_partition = kv_groups_per_tp_rank(n, g, group_size(tp_group)) * config.head_dim  # g·d/tp
+        self.query_key_value = ColumnParallelLinear(h, h + 2 * config.kv_size, tp_group,
+                                                    stride=3 if g == n else (n, g, g), bias=config.qkv_bias,
                                                     init_method=init.normal(prefix + "query_key_value.weight"),
                                                     **linear)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, cache: KVCacheSlot | None = None,
                 rotary: torch.Tensor | None = None) -> torch.Tensor:
-        """``mask``: (b, 1, s, s) bool of document masking, or None (causal). ``rotary``: RoPE's tables, or None."""
-        qkv = self.query_key_value(x)  # (b, s, 3h/tp) = [q_r | k_r | v_r]
-        q, k, v = qkv.split(self.hidden_per_partition, dim=-1)  # 3 x (b, s, h/tp)
+        """``mask``: ``training_attention_mask``'s (document masking, window), or None (causal). ``rotary``: RoPE's
+        tables, or None."""
+        qkv = self.query_key_value(x)  # (b, s, (n + 2g)d/tp) = [q_r | k_r | v_r]
+        kv = self.kv_per_partition
+        q, k, v = qkv.split([self.hidden_per_partition, kv, kv], dim=-1)  # (b, s, h/tp), 2 x (b, s, g·d/tp)
         return self._attend(q, k, v, mask, cache, rotary)
 
 
@@ -260,15 +321,18 @@ class TopQueryAttention(_Attention):
     queries from a separate embedding of the position (query i predicts token i + 1); under RoPE from one learned
     row, rotated by the position like the keys (model/rotary.py)."""
 
-    def _projections(self, h: int, tp_group: ProcessGroup | None, init: ParamInit, prefix: str, linear: dict) -> None:
-        self.query = ColumnParallelLinear(h, h, tp_group, init_method=init.normal(prefix + "query.weight"), **linear)
-        self.key_value = ColumnParallelLinear(h, 2 * h, tp_group, stride=2,
+    def _projections(self, config: ModelConfig, tp_group: ProcessGroup | None, init: ParamInit, prefix: str,
+                     linear: dict) -> None:
+        h, bias = config.hidden_size, config.qkv_bias  # multi-head under GQA too
+        self.query = ColumnParallelLinear(h, h, tp_group, bias=bias, init_method=init.normal(prefix + "query.weight"),
+                                          **linear)
+        self.key_value = ColumnParallelLinear(h, 2 * h, tp_group, stride=2, bias=bias,
                                               init_method=init.normal(prefix + "key_value.weight"), **linear)
 
     def forward(self, x: torch.Tensor, query_embeds: torch.Tensor, mask: torch.Tensor | None = None,
                 cache: KVCacheSlot | None = None, rotary: torch.Tensor | None = None) -> torch.Tensor:
-        """``mask``: (b, 1, s, s) bool of document masking, or None (causal). ``rotary``: RoPE's tables, or None
-        (the queries then carry their position in ``query_embeds``)."""
+        """``mask``: ``training_attention_mask``'s (document masking, window), or None (causal). ``rotary``: RoPE's
+        tables, or None (the queries then carry their position in ``query_embeds``)."""
         q = self.query(query_embeds)  # (b, s, h/tp)
         k, v = self.key_value(x).split(self.hidden_per_partition, dim=-1)  # 2 x (b, s, h/tp)
         return self._attend(q, k, v, mask, cache, rotary)

@@ -18,7 +18,10 @@ one tuple of layer numbers each): ``model(x, position_ids, chunk=c)`` runs chunk
 being part of chunk 0 (``pre_process``) and the head of the last chunk (``post_process``); one module, one
 state dict with the same global names as a stage holding those layers, so checkpoints do not depend on v. Position ids are always passed: the last stage's top query layer
 looks its queries up by position, and under RoPE (--position-embedding-type rope, model/rotary.py) every attention
-rotates its queries and keys by them (no learned position table then; the top query table has one row). Parameter
+rotates its queries and keys by them (no learned position table then; the top query table has one row). The logits
+use the word table (tied: its copy on the last stage) or, under --untie-embeddings-and-output-weights, ``output_layer``
+(last stage only; the word table is then on the first stage only). The norms are --normalization's and the MLP
+--swiglu's or --activation's (norms.py, mlp.py). Parameter
 names use global layer numbers (``layers.7.mlp...``), so a stage's state dict keys and initial values do not depend
 on how the layers are split.
 
@@ -44,18 +47,14 @@ from torch import nn
 from codegeex_train.config.model_config import ModelConfig
 from codegeex_train.layout.dims import ParallelDims
 from codegeex_train.layout.plan import ParallelPlan
-from codegeex_train.model.attention import KVCache, document_attention_mask
+from codegeex_train.model.attention import KVCache, kv_heads_of, training_attention_mask
 from codegeex_train.model.groups import ModelGroups
 from codegeex_train.model.kv_slots import KVSlots
-from codegeex_train.model.embedding import ReplicatedEmbedding, parallel_lm_logits, word_embeddings
+from codegeex_train.model.embedding import ReplicatedEmbedding, output_layer, parallel_lm_logits, word_embeddings
 from codegeex_train.model.init import ParamInit
-from codegeex_train.model.rotary import rotary_tables
-from codegeex_train.model.transformer import (
-    ParallelTransformerLayer,
-    TopQueryLayer,
-    layer_norm,
-    sequence_parallel_dropout,
-)
+from codegeex_train.model.norms import layer_norm
+from codegeex_train.model.rotary import RopeScaling, rotary_tables
+from codegeex_train.model.transformer import ParallelTransformerLayer, TopQueryLayer, sequence_parallel_dropout
 from codegeex_train.tensor_parallel import RNGStatesTracker, recompute_activations, vocab_parallel_cross_entropy
 
 if TYPE_CHECKING:
@@ -91,9 +90,9 @@ class CodeGeeXModel(nn.Module):
         h, kw = config.hidden_size, {"dtype": dtype, "device": device}
         sp_group = groups.sequence_parallel_group(plan)
 
-        if pre_process or post_process:
+        if pre_process or post_process and config.tied_output:  # untied: the input table only
             self.word_embeddings = word_embeddings(config.padded_vocab_size, h, groups.tp, init,
-                                                   sequence_parallel=plan.sp, **kw)
+                                                   sequence_parallel=plan.sp, tied=config.tied_output, **kw)
         if pre_process and config.position_table_rows:  # learned_absolute (none under RoPE)
             self.position_embeddings = ReplicatedEmbedding(config.position_table_rows, h, init,
                                                            "position_embeddings.weight", sp_group=sp_group, **kw)
@@ -110,6 +109,8 @@ class CodeGeeXModel(nn.Module):
                                                                 "top_query_embeddings.weight", sp_group=sp_group, **kw)
                 self.top_query_layer = TopQueryLayer(config, groups, plan, rng_tracker, init, "top_query_layer.",
                                                      **kw)
+            if not config.tied_output:  # the last parameter, as checkpoint/files.py's model_parameter_shapes says
+                self.output_layer = output_layer(config.padded_vocab_size, h, groups.tp, init, **kw)
         # Per chunk (each its own model in Megatron): its layer index -> the recompute unit holding it
         self._unit_of = [{i: unit for unit in plan.recompute.full_units(len(c)) for i in unit}
                          for c in self.chunk_layers]
@@ -133,6 +134,11 @@ class CodeGeeXModel(nn.Module):
     tp_size = property(lambda self: self.groups.tp_size)
     tp_rank = property(lambda self: self.groups.tp_rank)
     recompute = property(lambda self: self.plan.recompute)
+
+    @property
+    def output_weight(self) -> torch.nn.Parameter:
+        """This rank's (v/tp, h) output-layer weight (last stage): the word table when tied, else output_layer's."""
+        return self.word_embeddings.weight if self.config.tied_output else self.output_layer.weight
 
     @property
     def checkpoint_activations(self) -> bool:
@@ -171,21 +177,27 @@ class CodeGeeXModel(nn.Module):
         return recompute_activations(lambda *a: function(*a[:-1], rotary=a[-1]), self.rng_tracker, *args, rotary)
 
     def new_kv_cache(self, batch_size: int, capacity: int) -> KVCache:
-        """An empty KVCache for this stage's attentions (its layers, then the top query layer), this rank's heads,
-        ``capacity`` positions (prompt + new tokens), in the dtype and on the device of the weights."""
+        """An empty KVCache for this stage's attentions (its layers, then the top query layer), this rank's
+        key-value groups, ``capacity`` positions (prompt + new tokens), in the dtype and on the device of the
+        weights."""
         weight = next(self.parameters())
-        attentions = len(self.layers) + int(self.post_process and self.config.top_query_layer)
-        return KVCache(attentions, batch_size, capacity, self.config.num_attention_heads // self.tp_size,
-                       self.config.head_dim, dtype=weight.dtype, device=weight.device)
+        return KVCache(len(self._kv_heads()), batch_size, capacity, self._kv_heads(), self.config.head_dim,
+                       window=self.config.window_size, dtype=weight.dtype, device=weight.device)
+
+    def _kv_heads(self) -> list[int]:
+        """The key-value heads this rank caches per attention: g/tp per layer, n/tp for the (multi-head) top query
+        layer."""
+        top = self.post_process and self.config.top_query_layer
+        return kv_heads_of(len(self.layers) + int(top), self.config.kv_groups // self.tp_size,
+                           self.config.num_attention_heads // self.tp_size, top)
 
     def new_kv_slots(self, slots: int, capacity: int, *, prefixes: int, prefix_capacity: int) -> KVSlots:
         """Empty KVSlots (continuous batching, kv_slots.py): ``slots`` rows of ``capacity`` new tokens each, sharing
-        ``prefixes`` prompts of up to ``prefix_capacity`` tokens; the same attentions, heads, dtype and device."""
+        ``prefixes`` prompts of up to ``prefix_capacity`` tokens; the same attentions, groups, dtype and device."""
         weight = next(self.parameters())
-        attentions = len(self.layers) + int(self.post_process and self.config.top_query_layer)
-        return KVSlots(attentions, slots, capacity, self.config.num_attention_heads // self.tp_size,
-                       self.config.head_dim, prefixes=prefixes, prefix_capacity=prefix_capacity, dtype=weight.dtype,
-                       device=weight.device)
+        return KVSlots(len(self._kv_heads()), slots, capacity, self._kv_heads(), self.config.head_dim,
+                       prefixes=prefixes, prefix_capacity=prefix_capacity, window=self.config.window_size,
+                       dtype=weight.dtype, device=weight.device)
 
     def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
                 gather_logits: bool = False, kv_cache: KVCache | KVSlots | None = None,
@@ -229,8 +241,10 @@ class CodeGeeXModel(nn.Module):
         if document_ids is not None and document_ids.shape != position_ids.shape:
             raise ValueError(f"document_ids {tuple(document_ids.shape)} and position_ids {tuple(position_ids.shape)}: "
                              f"one (b, s) entry per position, the whole sequence")
-        # () or the one block-causal mask every attention of this forward reads
-        mask = () if document_ids is None else (document_attention_mask(document_ids),)  # (b, 1, s, s) bool
+        # () or the one mask every attention of this forward reads: document masking's and / or the sliding window's
+        # band (under CP the ring masks by the window itself, a KV cache by its own)
+        window = self.config.window_size if kv_cache is None and self.groups.cp is None else None
+        mask = training_attention_mask(document_ids, position_ids.shape[-1], window, position_ids.device)
         if labels is not None and (kv_cache is not None or last_token_only):
             raise ValueError("labels (the training loss) go with neither kv_cache nor last_token_only")
         if kv_cache is not None:
@@ -248,8 +262,8 @@ class CodeGeeXModel(nn.Module):
             hidden = inputs  # (b, s, h), or (b, s/tp, h) under SP, from the previous stage
         # RoPE: one (2, b, s, 1, r/2) cos / sin table for every attention of this call, the whole sequence's (under
         # SP too: the attention sees all of it), in the activations' dtype
-        rotary = rotary_tables(position_ids, self.config.rotary_dim, self.config.rotary_base,
-                               hidden.dtype) if self.config.rope else None
+        rotary = rotary_tables(position_ids, self.config.rotary_dim, self.config.rotary_base, hidden.dtype,
+                               RopeScaling.of(self.config)) if self.config.rope else None
         if kv_cache is None:
             hidden = self._run_layers(hidden, chunk, mask, rotary)
         else:
@@ -274,7 +288,7 @@ class CodeGeeXModel(nn.Module):
             kv_cache.commit()
         if last_token_only:
             hidden = hidden[:, -1:]
-        logits = parallel_lm_logits(hidden, self.word_embeddings.weight, self.tp_group,
+        logits = parallel_lm_logits(hidden, self.output_weight, self.tp_group,
                                     gather=gather_logits and labels is None,
                                     sequence_parallel=self.sequence_parallel)  # (b, s, v/tp)
         if labels is None:

@@ -1,5 +1,6 @@
 """Input embeddings (vocab-parallel words + replicated learned positions; none under RoPE, model/rotary.py) and the
-tied output layer."""
+output layer: the word table itself (tied) or, under --untie-embeddings-and-output-weights, ``output_layer`` with its
+own weights."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from torch import nn
 
 from codegeex_train.model.init import ParamInit
 from codegeex_train.tensor_parallel import (
+    ColumnParallelLinear,
     VocabParallelEmbedding,
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -41,20 +43,31 @@ class ReplicatedEmbedding(nn.Module):
 
 
 def word_embeddings(padded_vocab: int, hidden: int, tp_group: ProcessGroup | None, init: ParamInit, *,
-                    sequence_parallel: bool = False, dtype: torch.dtype = torch.float32,
+                    sequence_parallel: bool = False, tied: bool = True, dtype: torch.dtype = torch.float32,
                     device=None) -> VocabParallelEmbedding:
-    """The word table, rows split by vocab range. Built under the same name (so with the same values)
-    on the first stage and, as the tied output layer's copy, on the last; tagged ``shared_embedding``
-    so training all-reduces its grad over the embedding group (a no-op when one stage holds both)."""
+    """The word table, rows split by vocab range. ``tied`` (the output layer is this table): built under the same
+    name (so with the same values) on the first stage and, as the output layer's copy, on the last; tagged
+    ``shared_embedding`` so training all-reduces its grad over the embedding group (a no-op when one stage holds
+    both). Untied: the first stage's input table only, untagged."""
     emb = VocabParallelEmbedding(padded_vocab, hidden, tp_group, init_method=init.normal("word_embeddings.weight"),
                                  sequence_parallel=sequence_parallel, dtype=dtype, device=device)
-    emb.weight.shared_embedding = True
+    if tied:
+        emb.weight.shared_embedding = True
     return emb
+
+
+def output_layer(padded_vocab: int, hidden: int, tp_group: ProcessGroup | None, init: ParamInit, *,
+                 dtype: torch.dtype = torch.float32, device=None) -> ColumnParallelLinear:
+    """The untied output layer (Megatron's ``output_layer``): a (v, h) weight with rows split by vocab range like the
+    word table's, no bias; only its weight is used (``parallel_lm_logits``, the same path as the tied table)."""
+    return ColumnParallelLinear(hidden, padded_vocab, tp_group, bias=False, dtype=dtype, device=device,
+                                init_method=init.normal("output_layer.weight"))
 
 
 def parallel_lm_logits(hidden: torch.Tensor, weight_shard: torch.Tensor, tp_group: ProcessGroup | None,
                        gather: bool = False, sequence_parallel: bool = False) -> torch.Tensor:
-    """Logits against the tied word table: (b, s, h) -> (b, s, v/tp), or (b, s, v) gathered.
+    """Logits against the output weight (the tied word table or output_layer's): (b, s, h) -> (b, s, v/tp), or
+    (b, s, v) gathered.
 
     f (copy) on the input: backward all-reduces dH, since each rank's vocab slice contributes to it. With
     ``sequence_parallel`` the input is (b, s/tp, h): all-gathered (backward: reduce-scatter) and kept whole, as

@@ -18,6 +18,10 @@ rows of a prefix go through one matmul, as a group), not once per row: n samples
 keys and values once instead of n times, the step's dominant memory traffic. Keys of a shorter row or prefix
 beyond its length are masked out (stale values of an earlier occupant included). The model calls
 ``begin``/``slot(i).attend``/``commit`` as for KVCache.
+
+Under grouped-query attention the buffers hold this rank's key-value groups, and the n/g query heads of a group go
+through its matmul together (as n/g more query rows), so each group is read once for its heads. Under a sliding
+window (--window-size W) a row at position p sees the prefix and own keys at positions > p - W only.
 """
 
 from __future__ import annotations
@@ -29,22 +33,37 @@ import torch
 from codegeex_train.model.attention import KVCache
 
 
-class KVSlots:
-    """Prefixes (attentions, prefixes, heads/tp, prefix_capacity, d) and slots (attentions, slots, heads/tp,
-    capacity, d) of keys and values; each slot points at one prefix and holds ``lengths[row]`` tokens of its own."""
+def _grouped(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """(B, n, L, X) per query head -> (B, g, n/g · L, X): each group's heads as rows of one matmul (head j is in
+    group j // (n/g)); ``x`` itself when g = n."""
+    return x if x.shape[1] == groups else x.reshape(x.shape[0], groups, -1, x.shape[-1])
 
-    def __init__(self, num_attentions: int, slots: int, capacity: int, heads_per_partition: int, head_dim: int,
-                 *, prefixes: int, prefix_capacity: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None):
-        shape = (num_attentions, slots, heads_per_partition, capacity, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
-        prefix_shape = (num_attentions, prefixes, heads_per_partition, prefix_capacity, head_dim)
-        self.prefix_keys = torch.zeros(prefix_shape, dtype=dtype, device=device)
-        self.prefix_values = torch.zeros(prefix_shape, dtype=dtype, device=device)
+
+def _per_head(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """The inverse of ``_grouped``: (B, g, n/g · L, X) -> (B, n, L, X)."""
+    return x if x.shape[1] == heads else x.reshape(x.shape[0], heads, -1, x.shape[-1])
+
+
+class KVSlots:
+    """Per attention, prefixes (prefixes, kv heads/tp, prefix_capacity, d) and slots (slots, kv heads/tp, capacity, d)
+    of keys and values (``kv_heads``: the key-value groups, as KVCache's); each slot points at one prefix and holds
+    ``lengths[row]`` tokens of its own."""
+
+    def __init__(self, num_attentions: int, slots: int, capacity: int, kv_heads: int | list[int], head_dim: int,
+                 *, prefixes: int, prefix_capacity: int, window: int | None = None,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+        heads = [kv_heads] * num_attentions if isinstance(kv_heads, int) else list(kv_heads)
+        if len(heads) != num_attentions:
+            raise ValueError(f"kv_heads: {len(heads)} counts for {num_attentions} attentions")
+        kw = {"dtype": dtype, "device": device}
+        self.keys = [torch.zeros(slots, n, capacity, head_dim, **kw) for n in heads]
+        self.values = [torch.zeros_like(k) for k in self.keys]
+        self.prefix_keys = [torch.zeros(prefixes, n, prefix_capacity, head_dim, **kw) for n in heads]
+        self.prefix_values = [torch.zeros_like(k) for k in self.prefix_keys]
         self.slots, self.capacity, self.prefixes, self.prefix_capacity = slots, capacity, prefixes, prefix_capacity
+        self.window = window
         self.scale = 1.0 / math.sqrt(head_dim)
-        self.device = self.keys.device
+        self.device = self.keys[0].device
         # host copies: the step's shapes without a device sync
         self.lengths = [0] * slots
         self.prefix_of = [0] * slots
@@ -65,8 +84,8 @@ class KVSlots:
         KVCache with the same attentions."""
         if length > self.prefix_capacity:
             raise ValueError(f"a prompt of {length} tokens does not fit the {self.prefix_capacity} prefix positions")
-        self.prefix_keys[:, prefix, :, :length] = cache.keys[:, index, :, :length]
-        self.prefix_values[:, prefix, :, :length] = cache.values[:, index, :, :length]
+        for mine, theirs in zip(self.prefix_keys + self.prefix_values, cache.keys + cache.values, strict=True):
+            mine[prefix, :, :length] = theirs[index, :, :length]
         self.prefix_lengths[prefix] = length
 
     def attach(self, row: int, prefix: int) -> None:
@@ -77,8 +96,8 @@ class KVSlots:
     def move(self, src: int, dst: int) -> None:
         """Slot ``dst`` := slot ``src`` (its prefix and its own cached positions)."""
         n = self.lengths[src]
-        self.keys[:, dst, :, :n] = self.keys[:, src, :, :n]
-        self.values[:, dst, :, :n] = self.values[:, src, :, :n]
+        for buffer in self.keys + self.values:
+            buffer[dst, :, :n] = buffer[src, :, :n]
         self.prefix_of[dst] = self.prefix_of[src]
         self._set_length(dst, n)
 
@@ -100,11 +119,11 @@ class KVSlots:
         self.step = _Step(self, b)
 
     def update(self, index: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write attention ``index``'s new keys and values (b, heads/tp, 1, d) at each row's own column."""
+        """Write attention ``index``'s new keys and values (b, kv heads/tp, 1, d) at each row's own column."""
         b = self.rows
         rows, columns = self._rows[:b], self._lengths[:b]
-        self.keys[index, rows, :, columns] = k[:, :, 0]
-        self.values[index, rows, :, columns] = v[:, :, 0]
+        self.keys[index][rows, :, columns] = k[:, :, 0]
+        self.values[index][rows, :, columns] = v[:, :, 0]
 
     def commit(self) -> None:
         b = self.rows
@@ -140,6 +159,14 @@ class _Step:
         self.end = max(slots.lengths[:b]) + 1  # own columns 0 .. end-1 (the new token's included)
         own = torch.arange(self.end, device=device)
         self.own_mask = (own[None, :] <= slots._lengths[:b, None])[:, None, None, :]  # (b, 1, 1, end)
+        self.prefix_window = None  # (b, 1, P) under a sliding window: the prefix keys each row still sees
+        if slots.window is not None:
+            # row r decodes position p = prefix length + own length; keys at positions > p - W stay visible
+            oldest = torch.tensor([slots.prefix_lengths[p] + slots.lengths[r] - slots.window + 1
+                                   for r, p in enumerate(prefix_of)], dtype=torch.long, device=device)  # (b,)
+            self.prefix_window = (columns[None, :] >= oldest[:, None])[:, None, :]
+            own_oldest = slots._lengths[:b] - slots.window + 1  # the same bound in own columns
+            self.own_mask = self.own_mask & (own[None, :] >= own_oldest[:, None])[:, None, None, :]
 
 
 class KVSlotsAttention:
@@ -149,24 +176,31 @@ class KVSlotsAttention:
         self.slots, self.index = slots, index
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q, k, v (b, n/tp, 1, d) -> (b, n/tp, 1, d): softmax over [the row's prefix, its own tokens] (no dropout)."""
+        """q (b, n/tp, 1, d), k, v (b, g/tp, 1, d) -> (b, n/tp, 1, d): softmax over [the row's prefix, its own tokens]
+        (no dropout)."""
         slots, step, i = self.slots, self.slots.step, self.index
         slots.update(i, k, v)
         b, heads, _, d = q.shape
-        own_keys = slots.keys[i, :b, :, :step.end]
-        own_values = slots.values[i, :b, :, :step.end]
-        prefix_keys = slots.prefix_keys[i, :step.used, :, :step.prefix_end]  # (used, n/tp, P, d)
-        prefix_values = slots.prefix_values[i, :step.used, :, :step.prefix_end]
+        groups = k.shape[1]
+        own_keys = slots.keys[i][:b, :, :step.end]  # (b, g/tp, E, d)
+        own_values = slots.values[i][:b, :, :step.end]
+        prefix_keys = slots.prefix_keys[i][:step.used, :, :step.prefix_end]  # (used, g/tp, P, d)
+        prefix_values = slots.prefix_values[i][:step.used, :, :step.prefix_end]
         q = q * slots.scale
         # Each prefix's rows as one group: (used, n/tp, width, d) @ (used, n/tp, d, P), the prefix read once.
         padded = torch.cat([q[:, :, 0], q.new_zeros(1, heads, d)])  # (b + 1, n/tp, d)
         grouped = padded[step.group_rows].transpose(1, 2)  # (used, n/tp, width, d)
-        prefix_scores = (grouped @ prefix_keys.transpose(-1, -2)).masked_fill(~step.prefix_mask, float("-inf"))
+        prefix_scores = _per_head(_grouped(grouped, groups) @ prefix_keys.transpose(-1, -2), heads)
+        prefix_scores = prefix_scores.masked_fill(~step.prefix_mask, float("-inf"))
         prefix_scores = prefix_scores[step.group_of, :, step.index_in_group]  # (b, n/tp, P)
-        own_scores = (q @ own_keys.transpose(-1, -2)).masked_fill(~step.own_mask, float("-inf"))  # (b, n/tp, 1, E)
+        if step.prefix_window is not None:
+            prefix_scores = prefix_scores.masked_fill(~step.prefix_window, float("-inf"))
+        own_scores = _per_head(_grouped(q, groups) @ own_keys.transpose(-1, -2), heads)  # (b, n/tp, 1, E)
+        own_scores = own_scores.masked_fill(~step.own_mask, float("-inf"))
         scores = torch.cat([prefix_scores[:, :, None], own_scores], dim=-1)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # fp32 softmax under bf16 too
         prefix_probs, own_probs = probs.split([step.prefix_end, step.end], dim=-1)
         padded = torch.cat([prefix_probs[:, :, 0], prefix_probs.new_zeros(1, heads, step.prefix_end)])
-        from_prefix = padded[step.group_rows].transpose(1, 2) @ prefix_values  # (used, n/tp, width, d)
-        return from_prefix[step.group_of, :, step.index_in_group][:, :, None] + own_probs @ own_values
+        from_prefix = _per_head(_grouped(padded[step.group_rows].transpose(1, 2), groups) @ prefix_values, heads)
+        own = _per_head(_grouped(own_probs, groups) @ own_values, heads)  # (b, n/tp, 1, d)
+        return from_prefix[step.group_of, :, step.index_in_group][:, :, None] + own

@@ -1,4 +1,5 @@
-"""The transformer MLP, split Megatron-style: column-parallel h -> ffn, row-parallel ffn -> h."""
+"""The transformer MLP, split Megatron-style: column-parallel h -> ffn, row-parallel ffn -> h; under --swiglu the
+column-parallel linear gives [gate; up] (h -> 2 ffn) and the activation is silu(gate) * up."""
 
 from __future__ import annotations
 
@@ -37,6 +38,33 @@ def fast_gelu(x: torch.Tensor) -> torch.Tensor:
     return _FastGeLU.apply(x)
 
 
+class _SwiGLU(torch.autograd.Function):
+    """[gate; up] along the last dim -> silu(gate) * up, keeping its input only: autograd's backward of silu and the
+    product would keep gate, up and silu(gate) (a third ffn-wide tensor). Backward recomputes the sigmoid, as
+    Megatron's fused bias-SwiGLU does."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        gate, up = x.chunk(2, dim=-1)
+        s = torch.sigmoid(gate)
+        # d/dg [g s(g)] = s (1 + g (1 - s))
+        grad_gate = torch.sub(1.0, s).mul_(gate).add_(1.0).mul_(s).mul_(up).mul_(grad)
+        grad_up = s.mul_(gate).mul_(grad)  # silu(gate) * grad
+        return torch.cat([grad_gate, grad_up], dim=-1)
+
+
+def swiglu(x: torch.Tensor) -> torch.Tensor:
+    """(..., 2 f) [gate; up] -> (..., f) silu(gate) * up (forward bit-identical to that formula)."""
+    return _SwiGLU.apply(x)
+
+
 def activation_fn(name: str):
     if name == "gelu":
         return F.gelu
@@ -51,23 +79,27 @@ class ParallelMLP(nn.Module):
     """h -> ffn/tp (no communication), activation, ffn/tp -> h (one all-reduce forward; the f in the
     first linear gives the one all-reduce backward). Sequence parallel: all-gather in, reduce-scatter out.
     Selective recompute of ``mlp_act``: the activation's output, the second linear's input, is rebuilt from its
-    input (kept for the activation's own backward) when backward needs it."""
+    input (kept for the activation's own backward) when backward needs it.
+
+    --swiglu: the first linear is h -> 2 ffn/tp, rank r holding [gate_r; up_r] (stride 2: the full weight is
+    [gate; up], each block split over TP alike), and the activation is ``swiglu``. Biases iff config.linear_bias."""
 
     def __init__(self, config: ModelConfig, groups: ModelGroups, plan: ParallelPlan, init: ParamInit, prefix: str, *,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
         super().__init__()
-        h, ffn = config.hidden_size, config.ffn_hidden_size
-        self.dense_h_to_4h = ColumnParallelLinear(h, ffn, groups.tp, dtype=dtype, device=device,
-                                                  sequence_parallel=plan.sp,
+        h, ffn, bias = config.hidden_size, config.ffn_hidden_size, config.linear_bias
+        self.dense_h_to_4h = ColumnParallelLinear(h, config.mlp_in_size, groups.tp, bias=bias, dtype=dtype,
+                                                  device=device, sequence_parallel=plan.sp,
+                                                  stride=2 if config.swiglu else 1,
                                                   init_method=init.normal(prefix + "dense_h_to_4h.weight"))
-        self.dense_4h_to_h = RowParallelLinear(ffn, h, groups.tp, input_is_parallel=True,
+        self.dense_4h_to_h = RowParallelLinear(ffn, h, groups.tp, bias=bias, input_is_parallel=True,
                                                init_method=init.scaled(prefix + "dense_4h_to_h.weight"),
                                                sequence_parallel=plan.sp, dtype=dtype, device=device)
-        self.activation = activation_fn(config.activation)
+        self.activation = swiglu if config.swiglu else activation_fn(config.activation)
         self.recompute_activation = plan.recompute.selects("mlp_act")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        pre = self.dense_h_to_4h(x)  # (b, s, ffn/tp)
+        pre = self.dense_h_to_4h(x)  # (b, s, ffn/tp); swiglu: (b, s, 2 ffn/tp), [gate_r; up_r]
         inner = self.activation(pre)
         if self.recompute_activation and torch.is_grad_enabled():
             with recompute_in_backward(inner, self.activation, pre):

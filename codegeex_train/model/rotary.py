@@ -27,11 +27,59 @@ would grow with the sequence (32K positions x hidden 5120 = 168M parameters, rep
 length at --max-position-embeddings like learned positions do, and leave the rows beyond the trained length
 untrained when the context is extended; a rotated single query has none of these, keeps the layer's parameters
 and work per token, and needs nothing new from KV-cache decoding or context parallelism.
+
+RoPE scaling (--rope-scaling, ``RopeScaling``), as the model families extend their context; each changes the inverse
+frequencies theta_i only, so everything above (KV cache, CP, recompute) is unchanged. Formulas as Hugging Face's
+``ROPE_INIT_FUNCTIONS`` compute them in fp32 (the tests compare the tables):
+  - linear: theta_i / factor (positions interpolated by the factor);
+  - llama3 (Llama 3.1): with L the original context, wavelengths 2 pi / theta_i above L / low_freq_factor are divided
+    by the factor, those below L / high_freq_factor kept, those between blended by
+    t = (L / wavelength - low) / (high - low): (1 - t) theta / factor + t theta;
+  - yarn (YaRN): theta_i = interp_i (1 - e_i) + extrap_i e_i with interp = theta / factor, extrap = theta and e_i =
+    1 - ramp(i), the ramp linear from 0 to 1 between the channel pairs that turn beta_fast and beta_slow times over
+    L (their bounds floored / ceiled, clipped to [0, r - 1]); cos and sin are multiplied by the attention factor
+    (default 0.1 ln(factor) + 1), which scales every attention logit by its square.
 """
 
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 import torch
+
+from codegeex_train.config.model_config import ModelConfig
+
+
+class RopeScaling(NamedTuple):
+    """--rope-scaling and its parameters (the config's rope_* and yarn_* fields)."""
+
+    kind: str  # linear | llama3 | yarn
+    factor: float
+    original_max_positions: int | None = None
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> "RopeScaling | None":
+        """The config's scaling, or None (--rope-scaling none: the plain tables, unchanged)."""
+        if config.rope_scaling == "none":
+            return None
+        return cls(config.rope_scaling, config.rope_scaling_factor, config.rope_original_max_position_embeddings,
+                   config.rope_low_freq_factor, config.rope_high_freq_factor, config.yarn_beta_fast,
+                   config.yarn_beta_slow, config.yarn_attention_factor)
+
+    @property
+    def cos_sin_factor(self) -> float:
+        """What cos and sin are multiplied by: YaRN's attention factor, 1 otherwise."""
+        if self.kind != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+        return 1.0 if self.factor <= 1 else 0.1 * math.log(self.factor) + 1.0
 
 
 def inverse_frequencies(rotary_dim: int, base: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -39,11 +87,61 @@ def inverse_frequencies(rotary_dim: int, base: int, device: torch.device | str |
     return 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
 
 
-def rotary_tables(position_ids: torch.Tensor, rotary_dim: int, base: int, dtype: torch.dtype) -> torch.Tensor:
+def scaled_inverse_frequencies(rotary_dim: int, base: int, scaling: RopeScaling,
+                               device: torch.device | str | None = None) -> torch.Tensor:
+    """theta_i under ``scaling`` (the module docstring's formulas), fp32 (rotary_dim / 2,)."""
+    theta = inverse_frequencies(rotary_dim, base, device)
+    if scaling.kind == "linear":
+        return theta / scaling.factor
+    if scaling.kind == "llama3":
+        return _llama3(theta, scaling)
+    if scaling.kind == "yarn":
+        return _yarn(rotary_dim, base, scaling, device)
+    raise ValueError(f"--rope-scaling {scaling.kind}: not one of linear, llama3, yarn")
+
+
+def _llama3(theta: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    length, factor = scaling.original_max_positions, scaling.factor
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    wavelength = 2 * math.pi / theta
+    long = wavelength > length / low  # low frequencies: interpolated
+    short = wavelength < length / high  # high frequencies: kept
+    theta = torch.where(long, theta / factor, theta)
+    t = (length / wavelength - low) / (high - low)
+    blended = (1 - t) * theta / factor + t * theta
+    return torch.where(~short & ~long, blended, theta)
+
+
+def _yarn(rotary_dim: int, base: int, scaling: RopeScaling, device: torch.device | str | None) -> torch.Tensor:
+    length, factor = scaling.original_max_positions, scaling.factor
+
+    def pair_turning(rotations: float) -> float:  # the (fractional) channel pair that turns ``rotations`` times over L
+        return rotary_dim * math.log(length / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(pair_turning(scaling.beta_fast)), 0)
+    high = min(math.ceil(pair_turning(scaling.beta_slow)), rotary_dim - 1)
+    if low == high:
+        high += 0.001  # a one-pair ramp
+    wavelengths = base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim)
+    extrapolated, interpolated = 1.0 / wavelengths, 1.0 / (factor * wavelengths)
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: the pair keeps its frequency (fast pairs), 0: interpolated (slow pairs)
+    return interpolated * (1 - keep) + extrapolated * keep
+
+
+def rotary_tables(position_ids: torch.Tensor, rotary_dim: int, base: int, dtype: torch.dtype,
+                  scaling: RopeScaling | None = None) -> torch.Tensor:
     """(b, s) int positions -> (2, b, s, 1, rotary_dim / 2): cos and sin of position x theta_i (angles in fp32), in
-    ``dtype``; the 1 broadcasts over heads."""
-    angles = position_ids[..., None].float() * inverse_frequencies(rotary_dim, base, position_ids.device)
-    return torch.stack((angles.cos(), angles.sin())).unsqueeze(-2).to(dtype)  # (2, b, s, 1, r/2)
+    ``dtype``; the 1 broadcasts over heads. ``scaling``: --rope-scaling's theta_i and cos / sin factor."""
+    if scaling is None:
+        angles = position_ids[..., None].float() * inverse_frequencies(rotary_dim, base, position_ids.device)
+        return torch.stack((angles.cos(), angles.sin())).unsqueeze(-2).to(dtype)  # (2, b, s, 1, r/2)
+    theta = scaled_inverse_frequencies(rotary_dim, base, scaling, position_ids.device)
+    angles = position_ids[..., None].float() * theta
+    tables = torch.stack((angles.cos(), angles.sin()))
+    if scaling.cos_sin_factor != 1.0:
+        tables = tables * scaling.cos_sin_factor
+    return tables.unsqueeze(-2).to(dtype)  # (2, b, s, 1, r/2)
 
 
 def apply_rotary(x: torch.Tensor, tables: torch.Tensor, head_dim: int, interleaved: bool = False) -> torch.Tensor:

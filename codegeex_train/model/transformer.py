@@ -1,10 +1,11 @@
-"""Pre-LayerNorm transformer layers: the regular GPT layer and CodeGeeX's top query layer.
+"""Pre-norm transformer layers: the regular GPT layer and CodeGeeX's top query layer (norms.py: LayerNorm or
+RMSNorm, --normalization).
 
 Residual-stream tensors are replicated on every TP rank (they come out of an all-reduce), so the
 hidden dropout on them uses the default RNG stream, seeded identically across the TP group: every
 rank drops the same elements and the copies stay equal. Under sequence parallelism each rank holds its own part
-of the sequence instead: the LayerNorms, residual adds and dropouts run on (b, s/tp, h), the dropout draws from
-the per-TP-rank stream (different tokens, different masks), and the LayerNorm parameters' gradients are completed
+of the sequence instead: the norms, residual adds and dropouts run on (b, s/tp, h), the dropout draws from
+the per-TP-rank stream (different tokens, different masks), and the norms' parameters' gradients are completed
 over TP (``sequence_parallel_parameter``).
 """
 
@@ -20,31 +21,8 @@ from codegeex_train.model.attention import KVCacheSlot, ParallelSelfAttention, T
 from codegeex_train.model.groups import ModelGroups
 from codegeex_train.model.init import ParamInit
 from codegeex_train.model.mlp import ParallelMLP
-from codegeex_train.tensor_parallel import RNGStatesTracker, mark_sequence_parallel, recompute_in_backward
-from codegeex_train.tensor_parallel import sequence_parallel_parameter as sp_param
-from codegeex_train.tensor_parallel.mappings import ProcessGroup
-
-
-class LayerNorm(nn.LayerNorm):
-    """nn.LayerNorm (weight 1, bias 0); with ``sp_group`` (sequence parallelism in effect) it normalises this rank's
-    tokens only and its parameters' gradients are completed over TP."""
-
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device, sp_group: ProcessGroup | None = None):
-        super().__init__(config.hidden_size, eps=config.layernorm_epsilon, dtype=dtype, device=device)
-        self.sp_group = sp_group
-        if self.sp_group is not None:
-            mark_sequence_parallel(self.weight, self.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sp_group is None:
-            return super().forward(x)
-        return F.layer_norm(x, self.normalized_shape, sp_param(self.weight, self.sp_group),
-                            sp_param(self.bias, self.sp_group), self.eps)
-
-
-def layer_norm(config: ModelConfig, groups: ModelGroups, plan: ParallelPlan, dtype: torch.dtype, device) -> LayerNorm:
-    """A LayerNorm of the residual stream: over this rank's part of the sequence when the plan has SP."""
-    return LayerNorm(config, dtype, device, groups.sequence_parallel_group(plan))
+from codegeex_train.model.norms import LayerNorm, RMSNorm, layer_norm
+from codegeex_train.tensor_parallel import RNGStatesTracker, recompute_in_backward
 
 
 def sequence_parallel_dropout(x: torch.Tensor, p: float, training: bool, rng_tracker: RNGStatesTracker | None,
@@ -58,9 +36,9 @@ def sequence_parallel_dropout(x: torch.Tensor, p: float, training: bool, rng_tra
 
 
 class ParallelTransformerLayer(nn.Module):
-    """x + drop(attn(LN(x))) then y + drop(mlp(LN(y))).
+    """x + drop(attn(LN(x))) then y + drop(mlp(LN(y))) (LN: the config's norm).
 
-    Selective recompute of ``layernorm``: each LayerNorm's output (the next column-parallel linear's input) is
+    Selective recompute of ``layernorm``: each norm's output (the next column-parallel linear's input) is
     rebuilt from its input when backward needs it."""
 
     attention_class = ParallelSelfAttention
@@ -82,7 +60,7 @@ class ParallelTransformerLayer(nn.Module):
         return sequence_parallel_dropout(x, self.hidden_dropout, self.training, self.rng_tracker,
                                          self.sequence_parallel)
 
-    def _normed(self, norm: LayerNorm, x: torch.Tensor, consumer, *args, **kwargs) -> torch.Tensor:
+    def _normed(self, norm: LayerNorm | RMSNorm, x: torch.Tensor, consumer, *args, **kwargs) -> torch.Tensor:
         """consumer(norm(x), ...), keeping norm(x) only as a recipe under selective ``layernorm`` recompute."""
         normed = norm(x)
         if self.recompute_layernorm and torch.is_grad_enabled():

@@ -28,7 +28,9 @@ Cost per optimizer step, per first/last-stage rank, with W = V/TP x h x 4 bytes 
     ours:      the same all-reduce of W over the embedding group, plus one all-reduce of W over DP (none
                when DP = 1). Once per step, never per micro-batch; middle stages send nothing.
 For CodeGeeX-13B (V 52,224, h 5,120, TP 8): W = 134 MB, next to the ~1.5 GB of a stage's own ZeRO reductions.
-With PP = 1 the one weight serves both ends and every function here returns at once.
+With PP = 1 the one weight serves both ends and every function here returns at once; so does every function for a
+model with an untied output layer (--untie-embeddings-and-output-weights: the word table on the first stage, its own
+``output_layer`` on the last, no copy), on every stage alike, so no stage waits in a collective the other skips.
 """
 
 from __future__ import annotations
@@ -40,7 +42,10 @@ from codegeex_train.distributed.topology import Topology
 
 
 def shared_embedding_weight(module: torch.nn.Module) -> torch.nn.Parameter | None:
-    return getattr(getattr(module, "word_embeddings", None), "weight", None)
+    """The word table when the output layer is tied to it (tagged ``shared_embedding``); None for an untied model,
+    whose word table (first stage) and ``output_layer`` (last stage) are trained apart: nothing to sync or sum."""
+    weight = getattr(getattr(module, "word_embeddings", None), "weight", None)
+    return weight if getattr(weight, "shared_embedding", False) else None
 
 
 def _tied(module: torch.nn.Module, topology: Topology) -> torch.nn.Parameter | None:

@@ -54,7 +54,13 @@ from codegeex_train.preprocessing.repo_documents import (
     group_repositories,
 )
 from codegeex_train.preprocessing.source_files import SourceFile, iter_source_files
-from codegeex_train.tokenization.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer, build_tokenizer
+from codegeex_train.tokenization.tokenizer import (
+    DEFAULT_TOKENIZER_PATH,
+    EOD_TOKEN,
+    TOKENIZER_CONFIG,
+    Tokenizer,
+    build_tokenizer,
+)
 from codegeex_train.tokenization.record import dataset_meta_path, dataset_meta_text
 from codegeex_train.preprocessing.worker_pool import BATCH_CHARS, INTERRUPTS, OrderedPool, WorkerDiedError, batches
 from codegeex_train.preprocessing.worker_pool import interrupts_held as _interrupts_held
@@ -237,6 +243,22 @@ def _write(builder: IndexedDatasetBuilder, encoded: Iterable[list[np.ndarray]], 
                                     f"{summary.tokens / elapsed:,.0f} tokens/s")
 
 
+def _save_tokenizer(reports: Reports, output_prefix: str, tok: Tokenizer, text: str) -> str:
+    """Write the tokenizer that grew (sentinels appended) beside the outputs; returns what --tokenizer-model names:
+    ``PREFIX_tokenizer.json``, or, when its eod is a model family's eos (an HF directory's, e.g. DeepSeek-Coder's),
+    the directory ``PREFIX_tokenizer`` with its tokenizer_config.json naming that eos (a bare file's is
+    <|endoftext|>)."""
+    eos = tok.decode([tok.eod])
+    if eos == EOD_TOKEN:
+        reports.add(f"{output_prefix}_tokenizer.json", text)
+        return f"{output_prefix}_tokenizer.json"
+    directory = f"{output_prefix}_tokenizer"
+    os.makedirs(directory, exist_ok=True)
+    reports.add(os.path.join(directory, "tokenizer.json"), text)
+    reports.add(os.path.join(directory, TOKENIZER_CONFIG), json.dumps({"eos_token": eos}) + "\n")
+    return directory
+
+
 def preprocess(
     inputs: Sequence[str],
     output_prefix: str,
@@ -321,9 +343,8 @@ def preprocess(
                 for name, report in file_filter.reports().items():
                     reports.add(f"{output_prefix}_{name}.json", json.dumps(report, indent=1) + "\n")
             if tokenizer_text is not None:
-                summary.tokenizer_file = f"{output_prefix}_tokenizer.json"
-                reports.add(summary.tokenizer_file, tokenizer_text)
-            summary.reports = [p for p in reports.paths if not p.endswith("_tokenizer.json")]
+                summary.tokenizer_file = _save_tokenizer(reports, output_prefix, tok, tokenizer_text)
+            summary.reports = [p for p in reports.paths if not p.startswith(f"{output_prefix}_tokenizer")]
             # Which tokenizer wrote each dataset, as training must name it (tokenizer_record.py)
             named = tokenizer if tokenizer_text is None else dataclasses.replace(
                 tokenizer, tokenizer_type="HFTokenizer", tokenizer_model=summary.tokenizer_file, vocab_file=None,

@@ -1,18 +1,23 @@
 """Repository-level documents: the files of one repository in one document, each after a header naming its path,
 each header opened by the file-separator token.
 
-The format is one table, ``REPO_FORMATS`` (--repo-format), with two presets (``[EOD]`` with --append-eod)::
+The format is one table, ``REPO_FORMATS`` (--repo-format), with three presets (``[EOD]`` with --append-eod)::
 
-    starcoder2  <repo_name>NAME<file_sep>PATH\\nCONTENT<file_sep>PATH\\nCONTENT...[EOD]
-    codegeex4   <file_sep>###PATH: PATH\\n###LANGUAGE:Language\\nCONTENT<file_sep>...[EOD]
+    starcoder2     <repo_name>NAME<file_sep>PATH\\nCONTENT<file_sep>PATH\\nCONTENT...[EOD]
+    qwen2.5-coder  <repo_name>NAME\\n<file_sep>PATH\\nCONTENT<file_sep>PATH\\nCONTENT...[EOD]
+    codegeex4      <file_sep>###PATH: PATH\\n###LANGUAGE:Language\\nCONTENT<file_sep>...[EOD]
+
+``<repo_name>`` and ``<file_sep>`` are the tokenizer's own (code_tokens.py): a Qwen2.5-Coder tokenizer's are
+``<|repo_name|>`` and ``<|file_sep|>``, StarCoder2's ``<repo_name>`` and ``<file_sep>``; [EOD] is its eos.
 
 starcoder2 is StarCoder2's repository-context layout with metadata (StarCoder 2 and The Stack v2, 2024: the
 repository name after ``<repo_name>``, then each file as ``<file_sep>``, its path, a newline and its text).
-codegeex4 uses CodeGeeX4's own headers: its repository prompts give each file as ``###PATH: path`` then the text,
-its completion prompts name the language as ``###LANGUAGE:Python`` (guides/Repository_tasks_guideline.md and
-Infilling_guideline.md of THUDM/CodeGeeX4); CodeGeeX4 writes no repository name and no token between files, we
-put ``<file_sep>`` before each header so that a file whose text holds ``###PATH:`` cannot split the document. An
-unknown language leaves the value empty, as CodeGeeX4 does.
+qwen2.5-coder is Qwen2.5-Coder's repository-level layout (its model card: a newline after the repository name, each
+file as its path, a newline and its text). codegeex4 uses CodeGeeX4's own headers: its repository prompts give each
+file as ``###PATH: path`` then the text, its completion prompts name the language as ``###LANGUAGE:Python``
+(guides/Repository_tasks_guideline.md and Infilling_guideline.md of THUDM/CodeGeeX4); CodeGeeX4 writes no repository
+name and no token between files, we put ``<file_sep>`` before each header so that a file whose text holds
+``###PATH:`` cannot split the document. An unknown language leaves the value empty, as CodeGeeX4 does.
 
 Sentinels (code_tokens.py) are inserted as ids, never tokenized from text: a file whose text spells
 ``<file_sep>`` keeps it as ordinary tokens, so ``decode_repository`` finds exactly the files that went in.
@@ -45,6 +50,8 @@ class RepoFormat:
     """Open the document with ``<repo_name>`` and the repository's name."""
     file_header: str
     """Text after each ``<file_sep>``, before the file's own text; fields ``{path}`` and ``{language}``."""
+    name_suffix: str = ""
+    """Text after the repository's name, before the first ``<file_sep>``."""
 
     def header(self, file: SourceFile) -> str:
         return self.file_header.format(path=file.path, language=file.language or "")
@@ -62,6 +69,7 @@ class RepoFormat:
 
 REPO_FORMATS = {f.name: f for f in (
     RepoFormat("starcoder2", repo_name=True, file_header="{path}\n"),
+    RepoFormat("qwen2.5-coder", repo_name=True, file_header="{path}\n", name_suffix="\n"),
     RepoFormat("codegeex4", repo_name=False, file_header="###PATH: {path}\n###LANGUAGE:{language}\n"),
 )}
 
@@ -127,7 +135,7 @@ def group_repositories(files: Iterable[SourceFile], file_order: str = "path", se
 def encode_repository(tokenizer: Tokenizer, tokens: CodeTokens, fmt: RepoFormat, repo: Repository) -> list[int]:
     """The document's ids (without EOD): sentinels as ids, the name and each header + text tokenized."""
     texts = [fmt.header(f) + f.content for f in repo.files]
-    encoded = tokenizer.encode_batch([repo.name, *texts] if fmt.repo_name else texts)
+    encoded = tokenizer.encode_batch([repo.name + fmt.name_suffix, *texts] if fmt.repo_name else texts)
     ids = [tokens.repo_name, *encoded.pop(0)] if fmt.repo_name else []
     for piece in encoded:
         ids.append(tokens.file_sep)
@@ -148,7 +156,7 @@ def decode_repository(tokenizer: Tokenizer, tokens: CodeTokens, fmt: RepoFormat,
     if fmt.repo_name:
         if not head or head[0] != tokens.repo_name:
             raise ValueError(f"a {fmt.name} repository document starts with <repo_name> (id {tokens.repo_name})")
-        name = tokenizer.decode(head[1:])
+        name = tokenizer.decode(head[1:]).removesuffix(fmt.name_suffix)
     elif head:
         raise ValueError(f"a {fmt.name} repository document starts with <file_sep> (id {tokens.file_sep})")
     pattern = fmt.header_pattern

@@ -1,13 +1,21 @@
 """The sentinel tokens of code data: fill-in-the-middle and repository documents, one table for every tokenizer.
 
 StarCoder's names (``<fim_prefix>``, ``<fim_middle>``, ``<fim_suffix>``, ``<fim_pad>``, ``<repo_name>``,
-``<file_sep>``) are the sentinels' identity. A tokenizer that already holds them (StarCoder's own) keeps its ids;
-CodeGeeX's tokenizer maps them onto its unused ``<|extratoken_N|>`` ids (1..6; its whitespace runs use 10..18),
-so the released 13B model's embedding needs no new rows; any other tokenizer gets the missing ones appended
-as special tokens, all six at once and in this order, so preprocessing, training and generation that start
-from the same tokenizer file agree on the ids whatever feature asked first.
+``<file_sep>``) are the sentinels' identity; StarCoder's and StarCoder2's tokenizers hold them under these names. A
+code model family that spells them its own way (``FAMILY_SENTINELS``) is recognised by its spelling of
+``<fim_prefix>`` and keeps its ids:
 
-The layouts (the FIM paper, Bavarian et al. 2022, as StarCoder and Megatron's FIM dataset write them)::
+    Qwen2.5-Coder    <|fim_prefix|> <|fim_middle|> <|fim_suffix|> <|fim_pad|> <|repo_name|> <|file_sep|>
+    DeepSeek-Coder   <｜fim▁begin｜> (prefix), <｜fim▁end｜> (middle), <｜fim▁hole｜> (suffix); no pad, repository
+                     or file tokens: StarCoder's names are appended for those
+    CodeGeeX         its unused <|extratoken_1..6|> (its whitespace runs use 10..18), so the released 13B
+                     model's embedding needs no new rows
+
+Any other tokenizer gets the missing ones appended as special tokens, in ``SENTINELS`` order, so preprocessing,
+training and generation that start from the same tokenizer file agree on the ids whatever feature asked first.
+
+The layouts (the FIM paper, Bavarian et al. 2022, as StarCoder and Megatron's FIM dataset write them; the families
+above train PSM in the same layout under their own names)::
 
     PSM: <fim_prefix> prefix <fim_suffix> suffix <fim_middle> middle
     SPM: <fim_prefix> <fim_suffix> suffix <fim_middle> prefix middle
@@ -22,6 +30,14 @@ from typing import Protocol
 
 SENTINELS = ("<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<fim_pad>", "<repo_name>", "<file_sep>")
 CODEGEEX_SENTINELS = {name: f"<|extratoken_{i}|>" for i, name in enumerate(SENTINELS, start=1)}
+# Each family's spelling of the sentinels it has, by StarCoder's name; the first one whose <fim_prefix> a tokenizer
+# holds names its sentinels.
+FAMILY_SENTINELS = {
+    "codegeex": CODEGEEX_SENTINELS,
+    "qwen2.5-coder": {name: "<|" + name.strip("<>") + "|>" for name in SENTINELS},
+    "deepseek-coder": {"<fim_prefix>": "<\uff5cfim\u2581begin\uff5c>", "<fim_middle>": "<\uff5cfim\u2581end\uff5c>",
+                       "<fim_suffix>": "<\uff5cfim\u2581hole\uff5c>"},
+}
 FIM_ORDERS = ("psm", "spm")
 
 
@@ -52,11 +68,22 @@ def _token_to_id(tokenizer: Extensible, token: str) -> int | None:
     return getattr(inner, "_added", {}).get(token)
 
 
+def sentinel_family(tokenizer: Extensible) -> str | None:
+    """The family (a ``FAMILY_SENTINELS`` key) whose sentinels ``tokenizer`` holds, or None (StarCoder's names)."""
+    return next((family for family, names in FAMILY_SENTINELS.items()
+                 if _token_to_id(tokenizer, names[SENTINELS[0]]) is not None), None)
+
+
 def _names(tokenizer: Extensible) -> list[str]:
-    """The sentinels' names in ``tokenizer``'s vocabulary: CodeGeeX's (GPT-J's) extra tokens, else StarCoder's."""
-    if _token_to_id(tokenizer, CODEGEEX_SENTINELS[SENTINELS[0]]) is not None:
-        return [CODEGEEX_SENTINELS[s] for s in SENTINELS]
-    return list(SENTINELS)
+    """The sentinels' names in ``tokenizer``'s vocabulary: its family's where it has one, else StarCoder's."""
+    family = FAMILY_SENTINELS.get(sentinel_family(tokenizer), {})
+    return [family.get(s, s) for s in SENTINELS]
+
+
+def holds_fim_sentinels(tokenizer: Extensible) -> bool:
+    """Whether ``tokenizer`` already holds the three FIM sentinels (prefix, middle, suffix) in its family's names:
+    a model trained with them infills (its pad, repository and file tokens may still be missing)."""
+    return all(_token_to_id(tokenizer, name) is not None for name in _names(tokenizer)[:3])
 
 
 def held_code_tokens(tokenizer: Extensible) -> CodeTokens | None:

@@ -1,7 +1,10 @@
 """Tokenizers behind one small interface, built from Megatron's `--tokenizer-type` names.
 
 - HFTokenizer: a `tokenizer.json` (--tokenizer-model), e.g. the shipped default, or a Hugging Face tokenizer
-  directory holding one (or GPT-2's `vocab.json` + `merges.txt`).
+  directory holding one (or GPT-2's `vocab.json` + `merges.txt`). A directory's `tokenizer_config.json` names the
+  end-of-document token (its `eos_token`: the model family's, e.g. DeepSeek-Coder's `<｜end▁of▁sentence｜>`); a
+  bare file's is `<|endoftext|>`, appended when missing. The code sentinels of the families it may hold (Qwen2.5-
+  Coder's, StarCoder2's, DeepSeek-Coder's) are found by name (`code_tokens.py`).
 - GPT2BPETokenizer: GPT-2 style `vocab.json` + `merges.txt` (--vocab-file, --merge-file).
 - SentencePieceTokenizer: a SentencePiece `.model` file (--tokenizer-model), or a directory holding its
   `tokenizer.model`.
@@ -29,7 +32,7 @@ import tokenizers
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
 from codegeex_train.bounded_read import FileReadError, check_file
-from codegeex_train.tokenization.code_tokens import CODEGEEX_SENTINELS, SENTINELS, code_tokens
+from codegeex_train.tokenization.code_tokens import FAMILY_SENTINELS, SENTINELS, code_tokens
 from codegeex_train.tokenization.whitespace import (
     DEFAULT_MAX_WHITESPACE_RUN,
     split_whitespace_runs,
@@ -39,8 +42,9 @@ from codegeex_train.tokenization.whitespace import (
 EOD_TOKEN = "<|endoftext|>"
 TOKENIZER_TYPES = ("HFTokenizer", "GPT2BPETokenizer", "SentencePieceTokenizer", "CodeGeeXTokenizer")
 DEFAULT_TOKENIZER_PATH = str(Path(__file__).parent / "assets" / "default_tokenizer.json")
-# Every name a code sentinel has in some vocabulary: StarCoder's, and CodeGeeX's <|extratoken_1..6|>.
-SENTINEL_NAMES = (*SENTINELS, *CODEGEEX_SENTINELS.values())
+# Every name a code sentinel has in some vocabulary: StarCoder's, and each family's (code_tokens.FAMILY_SENTINELS).
+SENTINEL_NAMES = (*SENTINELS, *(name for names in FAMILY_SENTINELS.values() for name in names.values()))
+TOKENIZER_CONFIG = "tokenizer_config.json"  # a Hugging Face tokenizer directory's: names its eos token
 
 
 class TokenizerError(ValueError):
@@ -80,10 +84,10 @@ class HFTokenizer(Tokenizer):
     the flag off would turn a document's literal `<|endoftext|>` into a document boundary.
     """
 
-    def __init__(self, tokenizer: tokenizers.Tokenizer):
+    def __init__(self, tokenizer: tokenizers.Tokenizer, eod_token: str = EOD_TOKEN):
         tokenizer.encode_special_tokens = True
         self._tokenizer = tokenizer
-        self.eod = self.add_tokens([EOD_TOKEN], special=True)[0]
+        self.eod = self.add_tokens([eod_token], special=True)[0]
         sentinels = [t for t in SENTINEL_NAMES if tokenizer.token_to_id(t) is not None]
         if sentinels:
             self.add_tokens(sentinels, special=True)  # same ids: only the flag changes
@@ -91,6 +95,17 @@ class HFTokenizer(Tokenizer):
     @classmethod
     def from_file(cls, path: str) -> "HFTokenizer":
         return cls(tokenizers.Tokenizer.from_file(path))
+
+    @classmethod
+    def from_hf_directory(cls, tokenizer_file: str, config_file: str) -> "HFTokenizer":
+        """A Hugging Face tokenizer directory's tokenizer.json, eod the eos_token its tokenizer_config.json names
+        (the model family's: DeepSeek-Coder's ``<｜end▁of▁sentence｜>``, Llama's ``</s>``, Qwen2.5-Coder's and
+        StarCoder2's ``<|endoftext|>``), or ``<|endoftext|>`` when it names none."""
+        tokenizer = tokenizers.Tokenizer.from_file(tokenizer_file)
+        eos = hf_eos_token(config_file)
+        if eos is not None and tokenizer.token_to_id(eos) is None:
+            raise RuntimeError(f"{config_file} names eos_token {eos[:40]!r}, which {tokenizer_file} lacks")
+        return cls(tokenizer, eos or EOD_TOKEN)
 
     @classmethod
     def from_gpt2_files(cls, vocab_file: str, merge_file: str) -> "HFTokenizer":
@@ -241,6 +256,8 @@ def _model_source(tokenizer_model: str | None, kind: str) -> tuple[str, object, 
     if sentencepiece:
         if (path / "tokenizer.model").is_file():
             return what, load, (str(path / "tokenizer.model"),)
+    elif (path / "tokenizer.json").is_file() and kind == "HFTokenizer":  # its eos: tokenizer_config.json's
+        return what, HFTokenizer.from_hf_directory, (str(path / "tokenizer.json"), str(path / TOKENIZER_CONFIG))
     elif (path / "tokenizer.json").is_file():
         return what, load, (str(path / "tokenizer.json"),)
     elif (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
@@ -248,6 +265,23 @@ def _model_source(tokenizer_model: str | None, kind: str) -> tuple[str, object, 
                                             path / "added_tokens.json")
     wanted = "tokenizer.model" if sentencepiece else "tokenizer.json or vocab.json + merges.txt"
     raise TokenizerError(f"{what}: a directory without {wanted} (tokenizer type {kind})")
+
+
+def hf_eos_token(config_file: str | os.PathLike) -> str | None:
+    """The eos_token a Hugging Face tokenizer_config.json names (a string, or an added token's ``content``); None
+    when the file is absent or names none. Read whole: call ``check_file`` on it first (``_load`` does)."""
+    if not os.path.isfile(config_file):
+        return None
+    try:
+        config = json.loads(Path(config_file).read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise RuntimeError(f"{config_file}: not JSON ({e})") from None
+    eos = config.get("eos_token") if isinstance(config, dict) else None
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    if eos is not None and not isinstance(eos, str):
+        raise RuntimeError(f"{config_file}: eos_token is not a token (a string, or an object with its content)")
+    return eos
 
 
 def _from_gpt2_directory(vocab: str, merges: str, added_tokens: Path) -> "HFTokenizer":

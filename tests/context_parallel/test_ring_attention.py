@@ -5,8 +5,11 @@ of the same random full-sequence q, k, v and output gradient, and runs ``ring_at
 the accounting's CommCounter. Here the parent computes full-sequence causal attention with autograd (fp32) and
 compares it with the ranks' outputs and gradients put back together by ``gather_from_context_parallel``. The same run
 holds the cases that must fail (no load balancing, a merge without the log-sum-exp rescaling), the work per step,
-dropout (masks captured in forward, checked replayed in backward, fed to the dense reference) and recompute.
-The block plan itself is checked with no process group: every causally visible query-key pair computed exactly once.
+dropout (masks captured in forward, checked replayed in backward, fed to the dense reference) and recompute; then
+grouped-query attention (4 query heads over 2 or 1 key-value groups: K/V of the groups only on the ring) and the
+sliding window, alone and together, against the dense reference with K/V repeated to the heads (head j on group
+j // (n/g)) and the window's band. The block plan itself is checked with no process group: every causally visible
+query-key pair computed exactly once, and under a window every block with no visible pair skipped.
 """
 
 import math
@@ -48,15 +51,20 @@ def full_inputs(s: int, seed: int) -> list[torch.Tensor]:
     return [0.5 * torch.randn(B, HEADS, s, D, generator=g) for _ in range(4)]
 
 
-def dense_attention(q, k, v, dout, keep=None, dropout_p=0.0):
-    """The reference: softmax(q k^T / sqrt(d) + causal) [dropped with ``keep``] v on the whole sequence, autograd."""
+def dense_attention(q, k, v, dout, keep=None, dropout_p=0.0, window=None):
+    """The reference: softmax(q k^T / sqrt(d) + causal) [dropped with ``keep``] v on the whole sequence, autograd.
+    K/V of fewer heads than q (GQA) are repeated to them (head j reads group j // (n/g)); ``window``: query i sees
+    keys i - window < j <= i only."""
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     s = q.shape[2]
-    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
-    probs = torch.softmax(scores.masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf")), dim=-1)
+    repeat = q.shape[1] // k.shape[1]
+    scores = q @ k.repeat_interleave(repeat, dim=1).transpose(-2, -1) / math.sqrt(q.shape[-1])
+    i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+    allowed = (j <= i) & ((i - j < window) if window is not None else True)
+    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
     if keep is not None:
         probs = probs * keep / (1.0 - dropout_p)
-    out = probs @ v
+    out = probs @ v.repeat_interleave(repeat, dim=1)
     out.backward(dout)
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
@@ -160,6 +168,31 @@ def _recompute(group, r, q, k, v, dout) -> dict:
             "bytes": (forward, backward)}
 
 
+# name -> (query heads, key-value groups, window): GQA, the window, both, and one group with a window of 1 (only the
+# diagonal: every block but the own one skipped)
+OPTIONS = {"gqa": (4, 2, None), "window": (3, 3, 4), "gqa window": (4, 2, 4), "mqa window 1": (4, 1, 1)}
+OPTIONS_C = 3
+
+
+def option_inputs(name: str, s: int) -> list[torch.Tensor]:
+    """q, k, v and the output gradient of ``OPTIONS[name]``: q and dout (b, heads, s, d), k and v (b, groups, s, d)."""
+    heads, groups, _ = OPTIONS[name]
+    g = torch.Generator().manual_seed(7)
+    return [0.5 * torch.randn(B, n, s, D, generator=g) for n in (heads, groups, groups, heads)]
+
+
+def _blocks_computed(group, q, k, v, window) -> int:
+    calls, compute = [], ra._block_forward
+
+    def counted(*args):
+        calls.append(1)
+        return compute(*args)
+
+    with mock.patch.object(ra, "_block_forward", counted), torch.no_grad():
+        ring_attention(q, k, v, group, window=window)
+    return len(calls)
+
+
 def ring_rank(topology) -> dict:
     group = dist.new_group(list(range(dist.get_world_size())))
     r, n = dist.get_rank(group), dist.get_world_size(group)
@@ -180,6 +213,10 @@ def ring_rank(topology) -> dict:
     results["order"] = _order(group, *balanced)
     results["dropout"] = _dropout(group, r, n, *balanced)
     results["recompute"] = _recompute(group, r, *balanced)
+    for name, (_, _, window) in OPTIONS.items():
+        local = [_local(t, "balanced", r, n) for t in option_inputs(name, 2 * n * OPTIONS_C)]
+        results[name] = _run(group, *local, window=window)
+        results[f"{name} blocks"] = _blocks_computed(group, *local[:3], window)
     return results
 
 
@@ -281,6 +318,25 @@ def test_recompute_gives_identical_gradients(ring):
     assert all(r["recompute"]["identical"] for r in ranks)
 
 
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_groups_and_window_match_dense_reference(ring, name):
+    n, ranks = ring
+    heads, groups, window = OPTIONS[name]
+    diff = _max_diff(_gathered(ranks, name), dense_attention(*option_inputs(name, 2 * n * OPTIONS_C), window=window))
+    assert max(diff.values()) <= TOLERANCE, diff
+    assert ranks[0][name]["dk"].shape[1] == groups  # the ring carried the groups (and their gradients) only
+    for r in ranks:  # each rank sent its groups' K/V, not the heads': the bytes of g heads
+        assert tuple(r[name]["bytes"]) == tuple(ring_attention_bytes(B, groups, 2 * OPTIONS_C, D, n, FP32))
+    if window is not None:  # and the comparison can tell: without the window the reference is far off
+        plain = dense_attention(*option_inputs(name, 2 * n * OPTIONS_C))
+        assert _max_diff(_gathered(ranks, name), plain)["out"] > 1e-2
+    blocks = sum(r[f"{name} blocks"] for r in ranks)
+    if window is not None and window <= OPTIONS_C:  # blocks outside the window skipped
+        assert blocks < n * n, blocks
+    if name == "mqa window 1":  # the diagonal only: each rank its own block
+        assert blocks == n
+
+
 # --- No process group ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
@@ -307,6 +363,41 @@ def test_block_plan_computes_every_visible_pair_once(n, c, balanced):
                 assert visible.all(), (r, j, block)
             covered[rows[:, None], cols[None, :]] += visible.long()
     assert torch.equal(covered, torch.ones(s, s, dtype=torch.long).tril())
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("window", [1, 2, 3, 5, 9])
+def test_window_plan_skips_exactly_the_blocks_outside_it(n, window):
+    """Under a window a block is computed iff one of its queries sees one of its keys, with the global band as its
+    mask; every visible pair is still computed exactly once."""
+    c = 3
+    s, local = 2 * n * c, 2 * c
+    held = [context_parallel_indices(s, r, n) for r in range(n)]
+    i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+    band = (j <= i) & (i - j < window)
+    covered = torch.zeros(s, s, dtype=torch.long)
+    for r in range(n):
+        for step in range(n):
+            kv = (r - step) % n
+            block = ra.ring_block(r, kv, local)
+            if block is None:
+                continue
+            rows, cols = held[r][block.q], held[kv][block.k]
+            visible = band[rows[:, None], cols[None, :]]
+            mask = ra._Window(window, n, local, True, torch.device("cpu")).mask(block, r, kv)
+            assert (mask is None) == (not visible.any()), (r, kv)
+            if mask is not None:
+                assert torch.equal(mask, visible)
+                covered[rows[:, None], cols[None, :]] += mask.long()
+    assert torch.equal(covered, band.long())
+
+
+def test_cp1_with_groups_and_window_is_sdpa():
+    q, k, v, _ = option_inputs("gqa window", 12)
+    want = dense_attention(q, k, v, torch.zeros_like(q), window=4)["out"]
+    assert float((ring_attention(q, k, v, None, window=4) - want).abs().max()) <= TOLERANCE
+    gqa = option_inputs("gqa", 12)
+    assert float((ring_attention(*gqa[:3], None) - dense_attention(*gqa)["out"]).abs().max()) <= TOLERANCE
 
 
 def test_cp1_is_todays_attention():

@@ -12,6 +12,12 @@ NEW_TOKENS = 64  # the HF parity length
 PROMPT_LENGTHS = (3, 11, 6)
 SAMPLING = SamplingParams(max_new_tokens=24, temperature=1.0, top_k=40, top_p=0.9, seed=7)
 ROPE = {"position_embedding_type": "rope", "rotary_percent": 0.5}  # a RoPE model for tiny_config
+# Grouped-query attention (8 heads, 2 key-value groups), a window of 4 (shorter than the prompts), Llama 3's RoPE
+# scaling
+GQA_WINDOW = {"hidden_size": 64, "num_attention_heads": 8, "group_query_attention": True, "num_query_groups": 2,
+              "window_size": 4, "position_embedding_type": "rope", "rope_scaling": "llama3",
+              "rope_scaling_factor": 4.0, "rope_original_max_position_embeddings": 8,
+              "init_method_std": 0.1}  # logits of a few units: the tolerance is absolute
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -78,6 +84,11 @@ def tp_rank_checks(topology, ckpt_dir: str, prompts: list[list[int]]) -> dict:
     greedy = SamplingParams(max_new_tokens=40)
     out["rope_greedy"] = rope.generate_ids(ragged_prompts(100), greedy)
     out["rope_greedy_no_cache"] = rope.generate_ids(ragged_prompts(100), greedy, use_cache=False)
+    gqa = Generator(CodeGeeXModel(tiny_config(**GQA_WINDOW), ModelGroups.from_topology(topology), seed=11), None)
+    out["cache_gqa_window"] = cache_vs_full(gqa.model)
+    out["gqa_cache_shapes"] = [tuple(k.shape) for k in gqa.model.new_kv_cache(2, 5).keys]
+    out["gqa_greedy"] = gqa.generate_ids(ragged_prompts(100), greedy)
+    out["gqa_greedy_no_cache"] = gqa.generate_ids(ragged_prompts(100), greedy, use_cache=False)
     gen = Generator.from_checkpoint(ckpt_dir, None, tp_group=topology.tp_group)
     out["greedy"] = gen.generate_ids(prompts, SamplingParams(max_new_tokens=NEW_TOKENS))
     out["sampled"] = gen.generate_ids(prompts, SAMPLING)

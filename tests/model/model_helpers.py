@@ -11,6 +11,7 @@ from codegeex_train.checkpoint import merge_state_dicts
 from codegeex_train.layout.dims import ParallelDims
 from codegeex_train.layout.plan import ParallelPlan
 from codegeex_train.model import ModelConfig
+from codegeex_train.tensor_parallel import selective_recompute as recompute_module
 
 B, S = 2, 16
 
@@ -30,6 +31,33 @@ def model_plan(layout=None, **options) -> ParallelPlan:
     size)."""
     dims = ParallelDims(1) if layout is None else layout if isinstance(layout, ParallelDims) else layout.dims
     return ParallelPlan.derive(dims, micro_batch_size=1, **options)
+
+
+class SavedBytes:
+    """``with SavedBytes(model) as saved: <forward>``; ``saved.bytes``: the distinct storages autograd keeps for
+    backward, parameters excluded. Saved-tensor hooks do not nest: inside a selective-recompute block only the block's
+    own hooks run, and they report every tensor they keep (not their target) to ``recompute.OBSERVERS``."""
+
+    def __init__(self, model):
+        self.exclude = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.seen, self.bytes = set(), 0
+
+    def pack(self, t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self.exclude | self.seen:
+            self.seen.add(storage.data_ptr())
+            self.bytes += storage.nbytes()
+        return t
+
+    def __enter__(self):
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+        self.hooks.__enter__()
+        recompute_module.OBSERVERS.append(self.pack)
+        return self
+
+    def __exit__(self, *exc):
+        recompute_module.OBSERVERS.remove(self.pack)
+        self.hooks.__exit__(*exc)
 
 
 def make_batch(config: ModelConfig, seed: int = 0):

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from model_helpers import gather_full, make_batch, max_err, model_plan, tiny_config
+from model_helpers import SavedBytes, gather_full, make_batch, max_err, model_plan, tiny_config
 
 from codegeex_train.checkpoint import partition_spec
 from codegeex_train.layout.recompute import Recompute
@@ -42,33 +42,6 @@ DROPOUT_VARIANTS = ("none", "selective all", "full uniform 1", "full block 1")
 # TP rank holds whole but applies to its own part of the sequence).
 SP_PARAMETER = re.compile(r"(layernorm\.(weight|bias)|attention\.dense\.bias|mlp\.dense_4h_to_h\.bias"
                           r"|position_embeddings\.weight|top_query_embeddings\.weight)$")
-
-
-class SavedBytes:
-    """``with SavedBytes(model) as saved: <forward>``; ``saved.bytes``: the distinct storages autograd keeps for
-    backward, parameters excluded. Saved-tensor hooks do not nest: inside a selective-recompute block only the block's
-    own hooks run, and they report every tensor they keep (not their target) to ``recompute.OBSERVERS``."""
-
-    def __init__(self, model):
-        self.exclude = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        self.seen, self.bytes = set(), 0
-
-    def pack(self, t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in self.exclude | self.seen:
-            self.seen.add(storage.data_ptr())
-            self.bytes += storage.nbytes()
-        return t
-
-    def __enter__(self):
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
-        self.hooks.__enter__()
-        recompute_module.OBSERVERS.append(self.pack)
-        return self
-
-    def __exit__(self, *exc):
-        recompute_module.OBSERVERS.remove(self.pack)
-        self.hooks.__exit__(*exc)
 
 
 def _loss_and_grads(model, batch):

@@ -140,8 +140,15 @@ def test_sequence_longer_than_positions_is_a_clear_error():
         model(ids, pos)
 
 
-def test_partition_table_matches_layer_tags():
-    config = tiny_config()
+@pytest.mark.parametrize("overrides", [
+    {},
+    dict(normalization="RMSNorm", swiglu=True, activation="gelu", untie_embeddings_and_output_weights=True,
+         disable_bias_linear=True, add_qkv_bias=True, group_query_attention=True, num_query_groups=2,
+         position_embedding_type="rope"),
+], ids=["codegeex", "llama-like"])
+def test_partition_table_matches_layer_tags(overrides):
+    """(Every combination of the architecture switches: test_architecture_core.py.)"""
+    config = tiny_config(**overrides)
     model = CodeGeeXModel(config, None, None)
     for name, p in model.named_parameters():
         tagged = (p.partition_dim, p.partition_stride) if getattr(p, "tensor_model_parallel", False) else None

@@ -55,15 +55,18 @@ def test_a_repository_document_decodes_back_to_its_files_in_order(tokenizer, fmt
     ids = encode_repository(tok, tokens, REPO_FORMATS[fmt], repo) + [tok.eod]
     # The sentinels are exactly the layout's: one <file_sep> a file, <repo_name> once for starcoder2, none in text.
     assert ids.count(tokens.file_sep) == len(files)
-    assert ids.count(tokens.repo_name) == (1 if fmt == "starcoder2" else 0)
+    named = REPO_FORMATS[fmt].repo_name
+    assert ids.count(tokens.repo_name) == (1 if named else 0)
     name, decoded = decode_repository(tok, tokens, REPO_FORMATS[fmt], ids)
-    assert name == ("octo/cat" if fmt == "starcoder2" else None)
+    assert name == ("octo/cat" if named else None)
     assert decoded == [(f.path, f.content) for f in expected]
     # The layout as text (sentinels spelled out), against the formats the module docstring states.
     text = tok.decode(ids[:-1]).replace(tok.decode([tokens.file_sep]), "<file_sep>").replace(
         tok.decode([tokens.repo_name]), "<repo_name>")
     if fmt == "starcoder2":
         assert text == "<repo_name>octo/cat" + "".join(f"<file_sep>{f.path}\n{f.content}" for f in expected)
+    elif fmt == "qwen2.5-coder":
+        assert text == "<repo_name>octo/cat\n" + "".join(f"<file_sep>{f.path}\n{f.content}" for f in expected)
     else:
         assert text == "".join(f"<file_sep>###PATH: {f.path}\n###LANGUAGE:Python\n{f.content}" for f in expected)
 

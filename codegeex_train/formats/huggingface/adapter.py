@@ -1,18 +1,29 @@
-"""Hugging Face <-> our checkpoint: the adapter behind --to-hf / --from-hf. Every model this stack trains exports:
+"""Hugging Face <-> our checkpoint: the adapter behind --to-hf / --from-hf. Every model this stack trains exports,
+as the first of these it is:
 
-    GPT-2-shaped (``is_gpt2_shaped``)  a plain ``GPT2LMHeadModel`` (hf_gpt2.py's names; no remote code)
-    any other                          CodeGeeX remote code (hf_codegeex.py, hf_remote/): config.json with auto_map
-                                       and the two module files beside it; load with trust_remote_code=True
+    Llama-shaped (RMSNorm, SwiGLU)     LlamaForCausalLM, or MistralForCausalLM with a window (llama.py)
+    Qwen2-shaped (+ Q, K, V biases)    Qwen2ForCausalLM (qwen2.py)
+    StarCoder2-shaped                  Starcoder2ForCausalLM (LayerNorm, GeLU-tanh, RoPE; starcoder2.py)
+    GPT-2-shaped (``is_gpt2_shaped``)  a plain ``GPT2LMHeadModel`` (gpt2.py's names)
+    any other without the new options  CodeGeeX remote code (codegeex.py, remote/): config.json with auto_map and
+                                       the two module files beside it; load with trust_remote_code=True
 
-An export directory holds config.json, generation_config.json (eos = bos = eod, greedy), the tokenizer files
-(hf_tokenizer.py) and the safetensors weights (hf_files.py: one file, or shards and an index), in the dtype
-training saved. It streams: the rank files are mapped and each tensor is merged, converted and added to the shard
-being filled, which is written when full (peak memory: about one shard, not the model twice). It is written into a
-temporary directory beside the target and renamed into place at the end: a crash never leaves a partial export
-under the final name.
+All but the last are transformers' own classes (no remote code); the three families share native.py's tensor map.
+A model with an architecture option none of them has (RMSNorm with GeLU, say) is refused in one line. The class is
+decided from the architecture alone (a checkpoint records no source class): the rules above never overlap.
 
---from-hf reads either kind back (config.json's model_type), at any TP / PP, and records the directory's
-tokenizer (copied beside the checkpoint) so that training and tools/generate.py use it.
+An export directory holds config.json (the class's own config: RoPE fields and scaling, window, norm epsilon, bias
+switches, tying), generation_config.json (eos = the tokenizer's eod, greedy), the tokenizer files (tokenizer.py:
+a family's directory recorded at import is copied as it is, with its bos and pad; otherwise ours are written) and
+the safetensors weights (files.py: one file, or shards and an index), in the dtype training saved. It streams: the
+rank files are mapped and each tensor is merged, converted and added to the shard being filled, which is written
+when full (peak memory: about one shard, not the model twice). It is written into a temporary directory beside the
+target and renamed into place at the end: a crash never leaves a partial export under the final name.
+
+--from-hf reads each kind back (config.json's model_type: gpt2, codegeex, llama, mistral, qwen2, starcoder2), at
+any TP / PP, streaming too (each of our tensors is built from the mapped files when its rank file is written), and
+records the directory's tokenizer (its files copied beside the checkpoint) so that training and tools/generate.py
+use it.
 """
 
 from __future__ import annotations
@@ -48,6 +59,18 @@ from codegeex_train.formats.huggingface.gpt2 import (
     hf_gpt2_shapes,
     hf_gpt2_to_full,
 )
+from codegeex_train.formats.huggingface.llama import FAMILY as LLAMA
+from codegeex_train.formats.huggingface.native import (
+    DECODER_FIELD_TYPES,
+    FIELD_NAMES,
+    Family,
+    hf_shapes,
+    ignored,
+    import_source,
+    tensor_exporter,
+)
+from codegeex_train.formats.huggingface.qwen2 import FAMILY as QWEN2
+from codegeex_train.formats.huggingface.starcoder2 import FAMILY as STARCODER2
 from codegeex_train.formats.import_checks import check_field_types, check_fits_files, check_tensors
 from codegeex_train.checkpoint.safe_load import verify_files
 from codegeex_train.config.arguments import DataConfig
@@ -55,6 +78,33 @@ from codegeex_train.config.model_config import ModelConfig
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 MAX_CONFIG_BYTES = 1 << 20
+FAMILIES: tuple[Family, ...] = (LLAMA, QWEN2, STARCODER2)
+FAMILY_OF_MODEL_TYPE = {model_type: family for family in FAMILIES for model_type in family.model_types}
+MODEL_TYPES = ("gpt2", "codegeex", *FAMILY_OF_MODEL_TYPE)
+
+
+def export_class(config: ModelConfig) -> tuple[Family | None, str]:
+    """(family or None, transformers class name) ``--to-hf`` writes a model of ``config`` as: a family's native
+    class, else GPT2LMHeadModel or CodeGeeX remote code; CheckpointError for an architecture none of them has."""
+    for family in FAMILIES:
+        architecture = family.architecture(config)
+        if architecture is not None:
+            return family, architecture
+    new = {"--normalization RMSNorm": config.normalization != "LayerNorm", "--swiglu": config.swiglu,
+           "--group-query-attention": config.group_query_attention,
+           "--untie-embeddings-and-output-weights": not config.tied_output,
+           "--disable-bias-linear": config.disable_bias_linear, f"--rope-scaling {config.rope_scaling}":
+           config.rope_scaling != "none", "--window-size": config.window_size is not None}
+    used = [flag for flag, on in new.items() if on]
+    if used:
+        raise CheckpointError(f"--to-hf: no class --to-hf writes has this architecture ({', '.join(used)} with "
+                              f"normalization {config.normalization}, swiglu {config.swiglu}, activation "
+                              f"{config.activation}, qkv bias {config.qkv_bias}, other biases {config.linear_bias}, "
+                              f"position embedding {config.position_embedding_type}, top query layer "
+                              f"{config.top_query_layer}): Llama (RMSNorm, SwiGLU, all biases or none), Qwen2 (RMSNorm, "
+                              f"SwiGLU, Q/K/V biases only), StarCoder2 (LayerNorm, gelu_tanh), each with whole-head "
+                              f"non-interleaved RoPE and no top query layer")
+    return None, "GPT2LMHeadModel" if is_gpt2_shaped(config) else "CodeGeeXForCausalLM"
 
 
 def _gpt2_tensors(name: str, tensor: torch.Tensor, config: ModelConfig) -> list[tuple[str, torch.Tensor]]:
@@ -88,22 +138,36 @@ def _umask() -> int:
     return mask
 
 
-def _write_tokenizer(load_dir: str, meta: dict, config: ModelConfig, tokenizer_flags: dict, out: Path) -> tuple:
+def _write_tokenizer(load_dir: str, meta: dict, config: ModelConfig, tokenizer_flags: dict, out: Path,
+                     family: Family | None) -> tuple:
     """The tokenizer files (the flags', else the recorded, else the shipped default): (special ids, a few words).
-    None are written for a checkpoint that records no tokenizer and does not fit the default's vocabulary, or for
-    a tokenizer no tokenizer.json reproduces (SentencePiece): the model still exports, and the line says so."""
-    from codegeex_train.formats.huggingface.tokenizer import save_hf_tokenizer
+    A family's Hugging Face tokenizer directory (what --from-hf records) is copied as it is, with its own bos and
+    pad; its ids may be fewer than the model's rows (DeepSeek-Coder: 32,022 ids, 32,256 rows). None are written for a checkpoint that records no tokenizer and does not fit the default's vocabulary,
+    or for a tokenizer no tokenizer.json reproduces (SentencePiece): the model still exports, and the line says
+    so."""
+    from codegeex_train.formats.huggingface.tokenizer import (
+        TOKENIZER_CONFIG,
+        copy_hf_tokenizer,
+        hf_special_ids,
+        save_hf_tokenizer,
+    )
     from codegeex_train.tokenization.tokenizer import TokenizerError, load_tokenizer
 
     settings, _ = checkpoint_tokenizer(load_dir, meta, tokenizer_flags)
     which = describe_tokenizer(settings)
     none = {"eos_token_id": None, "bos_token_id": None, "pad_token_id": None}
-    vocab = load_tokenizer(DataConfig(**{k: v for k, v in settings.items() if v is not None})).vocab_size
-    if vocab != config.vocab_size:
+    tokenizer = load_tokenizer(DataConfig(**{k: v for k, v in settings.items() if v is not None}))
+    vocab = tokenizer.vocab_size
+    if vocab != config.vocab_size and not (family is not None and vocab < config.vocab_size):
         misfit = f"tokenizer {which} has {vocab} ids, the model {config.vocab_size}"
         if any(tokenizer_flags.values()) or isinstance(meta.get("tokenizer"), dict):  # named by the user or the run
             raise CheckpointError(f"--to-hf: {misfit}: pass the tokenizer flags training used")
         return none, f"none written ({misfit}; the checkpoint records none: pass the tokenizer flags training used)"
+    directory = Path(settings.get("tokenizer_model") or "")
+    if (family is not None and settings.get("tokenizer_type") == "HFTokenizer"
+            and not settings.get("whitespace_encoding") and (directory / TOKENIZER_CONFIG).is_file()):
+        copy_hf_tokenizer(directory, out)  # sentinels FIM training appended (DeepSeek-Coder's pad) are not in it
+        return hf_special_ids(directory, tokenizer), f"{which} (its files copied)"
     try:
         return save_hf_tokenizer(settings, out, config.max_position_embeddings), which
     except TokenizerError as e:
@@ -119,22 +183,27 @@ def to_hf(load_dir: str, hf_dir: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_B
 
     source = open_full_tensors(load_dir)
     config = source.config
-    gpt2 = is_gpt2_shaped(config)
+    family, architecture = export_class(config)  # an architecture no class has: refused before anything is written
+    gpt2 = architecture == "GPT2LMHeadModel"
     out = Path(hf_dir)
     tmp = _prepare_target(out)
     try:
-        ids, tokenizer = _write_tokenizer(load_dir, source.meta, config, tokenizer_flags or {}, tmp)
+        ids, tokenizer = _write_tokenizer(load_dir, source.meta, config, tokenizer_flags or {}, tmp, family)
         GenerationConfig(do_sample=False, **ids).save_pretrained(tmp)
-        convert = _gpt2_tensors if gpt2 else to_hf_tensor
+        if family is not None:
+            export = tensor_exporter(config)
+            convert = lambda name, tensor, _: export(name, tensor)  # noqa: E731
+        else:
+            convert = _gpt2_tensors if gpt2 else to_hf_tensor
         writer = ShardWriter(tmp, max_shard_bytes)
         for name in tqdm(source.names, desc="--to-hf", unit="tensor", file=sys.stderr):
             for hf_name, tensor in convert(name, source.get(name), config):
                 writer.add(hf_name, tensor)
                 dtype = str(tensor.dtype).removeprefix("torch.")  # as training saved it
         written = writer.close()
-        if gpt2:
-            hf_config = hf_gpt2_config(config)
-            for key, value in {**ids, "dtype": dtype, "architectures": ["GPT2LMHeadModel"]}.items():
+        if family is not None or gpt2:
+            hf_config = family.hf_config(config, architecture, ids) if family is not None else hf_gpt2_config(config)
+            for key, value in {**ids, "dtype": dtype, "architectures": [architecture]}.items():
                 setattr(hf_config, key, value)
             hf_config.save_pretrained(tmp)
         else:
@@ -146,7 +215,7 @@ def to_hf(load_dir: str, hf_dir: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_B
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     files = len(list(out.glob("*.safetensors")))
-    kind = "GPT2LMHeadModel" if gpt2 else "CodeGeeXForCausalLM (remote code: trust_remote_code=True)"
+    kind = architecture if family is not None or gpt2 else f"{architecture} (remote code: trust_remote_code=True)"
     size = f"{written / 1e9:.2f} GB" if written >= 1e9 else f"{written / 1e6:.1f} MB"
     return f"{kind}, {dtype}, {files} safetensors file{'s' if files > 1 else ''} ({size}), tokenizer: {tokenizer}"
 
@@ -168,15 +237,19 @@ def _model_config(hf_dir: str, hf_config: dict, make_vocab_size_divisible_by: in
     """Our ModelConfig of config.json (``hf_config``), each field it names checked for its type first."""
     path = Path(hf_dir) / "config.json"
     model_type = hf_config.get("model_type")
-    if model_type == "gpt2":
-        from transformers import GPT2Config
+    family = FAMILY_OF_MODEL_TYPE.get(model_type)
+    if model_type == "gpt2" or family is not None:
+        from transformers import AutoConfig
 
-        check_field_types(hf_config, GPT2_CONFIG_FIELD_TYPES, f"--from-hf: {path}")
-        try:  # transformers' own checks of the fields this import does not read
-            hf = GPT2Config.from_pretrained(hf_dir, local_files_only=True)
-        except (TypeError, ValueError) as e:
-            raise CheckpointError(f"--from-hf: {path}: transformers refuses it ({e})") from None
-        return config_from_hf_gpt2(hf, make_vocab_size_divisible_by)
+        check_field_types(hf_config, GPT2_CONFIG_FIELD_TYPES if family is None else
+                          {**DECODER_FIELD_TYPES, **family.field_types}, f"--from-hf: {path}")
+        try:  # transformers' own checks of the fields this import does not read; older files' RoPE fields read
+            hf = AutoConfig.from_pretrained(hf_dir, local_files_only=True)  # into rope_parameters
+        except (TypeError, ValueError, KeyError) as e:
+            raise CheckpointError(f"--from-hf: {path}: transformers refuses it ({' '.join(str(e).split())})") from None
+        if family is None:
+            return config_from_hf_gpt2(hf, make_vocab_size_divisible_by)
+        return family.config_from_hf(hf, make_vocab_size_divisible_by)
     if model_type == "codegeex":
         check_field_types(hf_config, CODEGEEX_CONFIG_FIELD_TYPES, f"--from-hf: {path}")
         try:
@@ -184,20 +257,33 @@ def _model_config(hf_dir: str, hf_config: dict, make_vocab_size_divisible_by: in
         except KeyError as e:
             raise CheckpointError(f"--from-hf: {path} lacks the CodeGeeX field {e}") from None
     raise CheckpointError(f"--from-hf {hf_dir}: model_type {str(model_type)[:40]!r} in config.json; this tool "
-                          f"reads 'gpt2' (GPT2LMHeadModel) and 'codegeex' (what --to-hf writes)")
+                          f"reads {', '.join(map(repr, MODEL_TYPES))} (GPT2LMHeadModel, CodeGeeX as --to-hf writes "
+                          f"it, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Starcoder2ForCausalLM)")
+
+
+def _native_source(hf_dir: str, tensors: dict, config: ModelConfig):
+    """The streaming source of a family's mapped ``tensors``: refuses a tensor the config does not imply (a bias
+    the config says is absent would otherwise be dropped unread)."""
+    expected = hf_shapes(config)
+    extra = next((name for name in tensors if name not in expected and not ignored(name, config)), None)
+    if extra is not None:
+        raise CheckpointError(f"--from-hf {hf_dir}: its weights hold {str(extra)[:100]}, which its config.json does "
+                              f"not imply (a bias, or an untied lm_head, the config does not name?)")
+    return import_source(tensors, config)
 
 
 def from_hf(hf_dir: str, save_dir: str, layout: Layout, make_vocab_size_divisible_by: int) -> None:
-    """A Hugging Face directory (model_type gpt2 or codegeex; sharded or not) -> our checkpoint at ``layout``,
-    recording its tokenizer.json (copied into ``save_dir``) when it has one."""
-    from codegeex_train.formats.huggingface.tokenizer import TOKENIZER_FILE, hf_tokenizer_settings
+    """A Hugging Face directory (``MODEL_TYPES``; sharded or not) -> our checkpoint at ``layout``, recording its
+    tokenizer (its files copied into ``save_dir/tokenizer``) when it has one."""
+    from codegeex_train.formats.huggingface.tokenizer import copy_hf_tokenizer, hf_tokenizer_settings
 
     config_path = Path(hf_dir) / "config.json"
     if not config_path.is_file():  # and never a Hub lookup of a mistyped path
         raise CheckpointError(f"--from-hf {hf_dir}: not a Hugging Face model directory (no config.json)")
     weight_files = hf_weight_files(hf_dir)  # before anything in it is opened (its config.json included)
     hf_config = _read_config(hf_dir)
-    gpt2 = hf_config.get("model_type") == "gpt2"
+    model_type = hf_config.get("model_type")
+    gpt2, native = model_type == "gpt2", model_type in FAMILY_OF_MODEL_TYPE
     config = _model_config(hf_dir, hf_config, make_vocab_size_divisible_by)
     config.validate(layout.tp_size)  # a bad TP split fails before the weights are read
     verify_files(weight_files)  # pickled weights pass our weights-only check before anything else reads them
@@ -206,19 +292,20 @@ def from_hf(hf_dir: str, save_dir: str, layout: Layout, make_vocab_size_divisibl
         tensors, sources = ({_gpt2_name(k): v for k, v in d.items()} for d in (tensors, sources))
     # Checked before anything the config's size is built or written: the config's counts against the files', then
     # each tensor's dtype, shape and values.
-    check_fits_files(config, tensors, f"--from-hf: {config_path}", GPT2_FIELD_NAMES if gpt2 else None)
+    field_names = GPT2_FIELD_NAMES if gpt2 else FIELD_NAMES if native else None
+    check_fits_files(config, tensors, f"--from-hf: {config_path}", field_names)
     layout.stage_layers(config)
-    check_tensors(tensors, (hf_gpt2_shapes if gpt2 else hf_codegeex_shapes)(config), sources.__getitem__,
-                  str(config_path), "--from-hf")
-    try:
-        full = (hf_gpt2_to_full if gpt2 else hf_codegeex_to_full)(tensors, config)
-    except KeyError as e:
-        raise CheckpointError(f"--from-hf {hf_dir}: its weights lack {e}, which its config.json implies") from None
-    del tensors
+    shapes = hf_gpt2_shapes if gpt2 else hf_shapes if native else hf_codegeex_shapes
+    check_tensors(tensors, shapes(config), sources.__getitem__, str(config_path), "--from-hf")
+    if native:
+        source = _native_source(hf_dir, tensors, config)
+    else:
+        try:
+            source = (hf_gpt2_to_full if gpt2 else hf_codegeex_to_full)(tensors, config).__getitem__
+        except KeyError as e:
+            raise CheckpointError(f"--from-hf {hf_dir}: its weights lack {e}, which its config.json implies") from None
+        del tensors
     tokenizer = hf_tokenizer_settings(hf_dir)
     if tokenizer is not None:  # a copy beside the checkpoint: it outlives HF_DIR
-        Path(save_dir).mkdir(parents=True, exist_ok=True)
-        copy = Path(save_dir) / TOKENIZER_FILE
-        shutil.copyfile(tokenizer["tokenizer_model"], copy)
-        tokenizer["tokenizer_model"] = str(copy.resolve())
-    save_at_layout(save_dir, full.__getitem__, config, layout, tokenizer=tokenizer)
+        tokenizer["tokenizer_model"] = str(copy_hf_tokenizer(hf_dir, Path(save_dir) / "tokenizer").resolve())
+    save_at_layout(save_dir, source, config, layout, tokenizer=tokenizer)

@@ -22,12 +22,19 @@ predict, so a collator that took pad = eod would mask the document ends out of f
 batch (lm-evaluation-harness, bigcode-evaluation-harness) set pad = eos themselves, with an attention mask.
 
 SentencePiece models are refused: no tokenizer.json reproduces sentencepiece's segmentation and decode exactly.
+
+A model family's own tokenizer (Qwen2.5-Coder's, StarCoder2's, DeepSeek-Coder's, ...) is not rewritten: --from-hf
+copies its directory's files (``TOKENIZER_FILES``) beside the checkpoint and records the directory
+(``hf_tokenizer_settings``: eod its tokenizer_config.json's eos_token; when it holds its family's FIM sentinels,
+``FAMILY_FIM``), and --to-hf of a family's model copies them back as they were (``copy_hf_tokenizer``), its bos and
+pad ids with them (``hf_special_ids``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -35,7 +42,7 @@ import tokenizers
 
 from codegeex_train.checkpoint.files import FIM_FIELDS, TOKENIZER_FIELDS
 from codegeex_train.bounded_read import check_file, read_text
-from codegeex_train.tokenization.code_tokens import code_tokens
+from codegeex_train.tokenization.code_tokens import code_tokens, holds_fim_sentinels
 from codegeex_train.tokenization.tokenizer import (
     EOD_TOKEN,
     MAX_TOKENIZER_FILE_BYTES,
@@ -43,6 +50,7 @@ from codegeex_train.tokenization.tokenizer import (
     Tokenizer,
     TokenizerError,
     WhitespaceEncodingTokenizer,
+    hf_eos_token,
     load_tokenizer,
 )
 from codegeex_train.tokenization.whitespace import whitespace_token
@@ -51,6 +59,11 @@ TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP = "special_tokens_map.json"
 FIM_KEY = "codegeex_train_fim"  # tokenizer_config.json: the FIM flags, for --from-hf to record again
+# A Hugging Face tokenizer directory's files an import copies beside the checkpoint (those it has).
+TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP, "chat_template.jinja")
+# The FIM flags recorded for a published code model whose tokenizer holds its family's FIM sentinels: trained to
+# infill, prompted in PSM (the order the DeepSeek-Coder, Qwen2.5-Coder and StarCoder2 model cards infill in).
+FAMILY_FIM = {"fim_rate": 0.5, "fim_spm_rate": 0.0, "fim_split_sample": None, "fim_fragment_rate": None}
 
 
 def save_hf_tokenizer(settings: dict, out_dir: str | os.PathLike, model_max_length: int) -> dict:
@@ -87,32 +100,65 @@ def save_hf_tokenizer(settings: dict, out_dir: str | os.PathLike, model_max_leng
 
 def hf_tokenizer_settings(hf_dir: str | os.PathLike) -> dict | None:
     """The tokenizer settings (``tokenizer_settings``' shape) a checkpoint converted from ``hf_dir`` records:
-    HFTokenizer on ``hf_dir/tokenizer.json`` (absolute), whitespace encoding off (it is inside the file), and the FIM
-    flags ``save_hf_tokenizer`` kept. ``load_tokenizer`` of them gives the ids ``AutoTokenizer`` gives (for a foreign
-    tokenizer.json: up to text spelling a special token, which stays text here). None when there is no
-    tokenizer.json, or it lacks ``<|endoftext|>`` (our eod; we would append a fresh one): the user passes the
-    tokenizer flags."""
+    HFTokenizer on the directory ``hf_dir`` (absolute; its tokenizer.json, eod the eos_token its
+    tokenizer_config.json names, else ``<|endoftext|>``), whitespace encoding off (it is inside the file), and FIM
+    flags: those ``save_hf_tokenizer`` kept, else, when the tokenizer holds its family's FIM sentinels (a published
+    code model trained to infill), ``FAMILY_FIM``. ``load_tokenizer`` of them gives the ids ``AutoTokenizer``
+    gives (for a foreign tokenizer.json: up to text spelling a special token, which stays text here). None when
+    there is no tokenizer.json, or it names no eos_token and lacks ``<|endoftext|>`` (we would append a fresh one):
+    the user passes the tokenizer flags."""
     path = Path(hf_dir) / TOKENIZER_FILE
     if not path.is_file():
         return None
     check_file(path, MAX_TOKENIZER_FILE_BYTES, "--from-hf")  # the library reads it whole
-    try:
-        if tokenizers.Tokenizer.from_file(str(path)).token_to_id(EOD_TOKEN) is None:
-            return None
-    except Exception as e:  # the Rust library raises a bare Exception for a malformed file
-        raise TokenizerError(f"{path}: cannot load it: {' '.join(str(e).split())}") from None
-    settings = {name: None for name in TOKENIZER_FIELDS}
-    settings.update(tokenizer_type="HFTokenizer", tokenizer_model=str(path.resolve()), whitespace_encoding=False)
     config_path = Path(hf_dir) / TOKENIZER_CONFIG
     try:
         config = json.loads(read_text(config_path, MAX_TOKENIZER_FILE_BYTES, "--from-hf")) if config_path.is_file() \
             else {}
     except json.JSONDecodeError as e:
         raise TokenizerError(f"{config_path}: not JSON ({e})") from None
+    try:
+        if hf_eos_token(config_path) is None and tokenizers.Tokenizer.from_file(str(path)).token_to_id(
+                EOD_TOKEN) is None:
+            return None
+    except Exception as e:  # the Rust library raises a bare Exception for a malformed file
+        raise TokenizerError(f"{path}: cannot load it: {' '.join(str(e).split())}") from None
+    settings = {name: None for name in TOKENIZER_FIELDS}
+    settings.update(tokenizer_type="HFTokenizer", tokenizer_model=str(Path(hf_dir).resolve()),
+                    whitespace_encoding=False)
     fim = config.get(FIM_KEY) if isinstance(config, dict) else None
     if isinstance(fim, dict) and isinstance(fim.get("fim_rate"), (int, float)) and fim["fim_rate"] > 0:
         settings.update({name: fim.get(name) for name in FIM_FIELDS})
+    elif holds_fim_sentinels(load_tokenizer(_flags(settings))):
+        settings.update(FAMILY_FIM)
     return settings
+
+
+def copy_hf_tokenizer(hf_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+    """Copy the tokenizer files (``TOKENIZER_FILES``) ``hf_dir`` has into the new directory ``out_dir``, which then
+    works as ``--tokenizer-model`` as ``hf_dir`` did; returns it."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        source = Path(hf_dir) / name
+        if source.is_file():
+            check_file(source, MAX_TOKENIZER_FILE_BYTES, "--from-hf")
+            shutil.copyfile(source, out / name)
+    return out
+
+
+def hf_special_ids(tokenizer_dir: str | os.PathLike, tokenizer: Tokenizer) -> dict:
+    """The model config's token ids of a Hugging Face tokenizer directory's files as they are: eos = eod, bos and
+    pad those tokenizer_config.json names (None when it names none)."""
+    config = json.loads(read_text(Path(tokenizer_dir) / TOKENIZER_CONFIG, MAX_TOKENIZER_FILE_BYTES, "--to-hf"))
+    inner, _ = _unwrap(tokenizer)
+
+    def token_id(key: str) -> int | None:
+        token = config.get(key)
+        token = token.get("content") if isinstance(token, dict) else token
+        return inner._tokenizer.token_to_id(token) if isinstance(token, str) else None
+
+    return {"eos_token_id": tokenizer.eod, "bos_token_id": token_id("bos_token"), "pad_token_id": token_id("pad_token")}
 
 
 def _flags(settings: dict) -> SimpleNamespace:
