@@ -98,7 +98,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--config", default=SHAPE_PRESET, metavar="NAME",
                    help=f"(c, d) the ~1.3B shape: a preset, configs/NAME.yaml, or a .yaml file (default {SHAPE_PRESET}; "
-                        "the --c-*/--d-* flags below override it; --smoke ignores it)")
+                        "(c) builds its whole model: section, e.g. a Qwen2's grouped-query attention and SwiGLU, with "
+                        "its planner: vocabulary; the --c-*/--d-* flags below override it; --smoke ignores it)")
     # (a) and (b): a small CodeGeeX on code tokens
     p.add_argument("--small-num-layers", type=int, default=None, help="(a, b) default 12 (smoke 2)")
     p.add_argument("--small-hidden-size", type=int, default=None, help="(a, b) default 768 (smoke 32)")

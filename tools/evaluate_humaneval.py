@@ -60,8 +60,8 @@ data/HumanEval-*Infilling*.jsonl.gz, or a clone of it), else loubnabnl/humaneval
 `datasets`. A sample's completion is the middle; the program run is prompt + middle + suffix + test +
 check(entry_point). --load needs a checkpoint trained with --fim-rate > 0, or a model converted from a family whose
 tokenizer holds its FIM sentinels (Qwen2.5-Coder, StarCoder2, DeepSeek-Coder: PSM in its own sentinels), prompted
-in the order it trained with (--fim-order overrides); the middle ends at the end of the document, with no stop strings. Records go in split
-"infilling" ("infilling_single_line_pass@1", ...):
+in the order it trained with (--fim-order overrides); the middle ends at the end of the document, with no stop
+strings. Records go in split "infilling" ("infilling_single_line_pass@1", ...):
 
     python tools/evaluate_humaneval.py --benchmark single-line --problems human-eval-infilling --canonical
     python tools/evaluate_humaneval.py --benchmark multi-line --problems human-eval-infilling --load CKPT \

@@ -29,7 +29,9 @@ samples and broadcasts; see codegeex_train/generation/generator.py); rank 0 prin
 Infilling (--infill FILE..., or --prefix/--suffix) builds the fill-in-the-middle prompt in the order the checkpoint
 records it was trained with (the one it saw most: SPM when its --fim-spm-rate was above 0.5, else PSM; between 0
 and 1 it saw both and either works; --fim-order psm|spm chooses) and ends the middle at the end of the
-document (EOD) or any FIM sentinel. A checkpoint trained without FIM (or recording nothing of it) is refused.
+document (EOD) or any FIM sentinel. A checkpoint trained without FIM (or recording nothing of it) is refused; one
+converted from a family whose tokenizer holds its FIM sentinels (Qwen2.5-Coder, StarCoder2, DeepSeek-Coder) records
+that it infills, in PSM and its own sentinels.
 
 Bad input ends with one ``generate.py: error: ...`` line and a non-zero exit.
 """

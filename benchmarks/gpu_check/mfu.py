@@ -1,6 +1,7 @@
-"""(c) Training throughput and MFU of a ~1.3B CodeGeeX (or a preset's model: --config) in bf16 under ZeRO-2 on one GPU, without and with activation
-recomputation: tokens/s over timed train steps (each between two device synchronisations) and model FLOP/s
-(codegeex_train/model/flops.py, without the recomputed forward) over the device's peak."""
+"""(c) Training throughput and MFU of a ~1.3B CodeGeeX (or the model of the preset --config names) in bf16 under
+ZeRO-2 on one GPU, without and with activation recomputation: tokens/s over timed train steps (each between two
+device synchronisations) and model FLOP/s (codegeex_train/model/flops.py, without the recomputed forward) over the
+device's peak."""
 
 from __future__ import annotations
 

@@ -131,7 +131,8 @@ def test_flops_of_gqa_and_swiglu_match_a_hand_count():
     assert model_flops_per_iteration(config, b, s) == 3 * (2 * layer + logits)
     assert model_flops_per_iteration(config, b, s, checkpoint_activations=True) == 3 * (2 * layer + logits) + 2 * layer
     # Megatron-LM's form: 12 b s L h^2 (1 + g/n + s/h) + 12 b s L h f (3/2 gated) + 6 b s h V (integer-exact here)
-    megatron = 12 * b * s * 2 * H * H * (1 + GROUPS / HEADS + s / H) + 12 * b * s * 2 * H * FFN * 3 / 2 + 6 * b * s * H * 128
+    megatron = (12 * b * s * 2 * H * H * (1 + GROUPS / HEADS + s / H) + 12 * b * s * 2 * H * FFN * 3 / 2
+                + 6 * b * s * H * 128)
     assert model_flops_per_iteration(config, b, s) == megatron
     # norms, biases and the output layer's tying change no matmul; the top query layer stays multi-head
     for other in (dict(normalization="LayerNorm"), dict(disable_bias_linear=False, add_qkv_bias=False),

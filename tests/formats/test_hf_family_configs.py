@@ -25,7 +25,8 @@ DEEPSEEK_CODER_6_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "lla
                        "tie_word_embeddings": False, "vocab_size": 32256, "bos_token_id": 32013, "eos_token_id": 32014}
 QWEN25_CODER_7B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
                    "hidden_size": 3584, "intermediate_size": 18944, "max_position_embeddings": 32768,
-                   "max_window_layers": 28, "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4,
+                   "max_window_layers": 28, "num_attention_heads": 28, "num_hidden_layers": 28,
+                   "num_key_value_heads": 4,
                    "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 131072,
                    "tie_word_embeddings": False, "use_sliding_window": False, "vocab_size": 152064}
 STARCODER2_7B = {"architectures": ["Starcoder2ForCausalLM"], "model_type": "starcoder2",

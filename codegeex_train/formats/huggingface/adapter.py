@@ -101,9 +101,9 @@ def export_class(config: ModelConfig) -> tuple[Family | None, str]:
                               f"normalization {config.normalization}, swiglu {config.swiglu}, activation "
                               f"{config.activation}, qkv bias {config.qkv_bias}, other biases {config.linear_bias}, "
                               f"position embedding {config.position_embedding_type}, top query layer "
-                              f"{config.top_query_layer}): Llama (RMSNorm, SwiGLU, all biases or none), Qwen2 (RMSNorm, "
-                              f"SwiGLU, Q/K/V biases only), StarCoder2 (LayerNorm, gelu_tanh), each with whole-head "
-                              f"non-interleaved RoPE and no top query layer")
+                              f"{config.top_query_layer}): Llama (RMSNorm, SwiGLU, all biases or none), Qwen2 "
+                              f"(RMSNorm, SwiGLU, Q/K/V biases only), StarCoder2 (LayerNorm, gelu_tanh), each with "
+                              f"whole-head non-interleaved RoPE and no top query layer")
     return None, "GPT2LMHeadModel" if is_gpt2_shaped(config) else "CodeGeeXForCausalLM"
 
 
@@ -142,9 +142,10 @@ def _write_tokenizer(load_dir: str, meta: dict, config: ModelConfig, tokenizer_f
                      family: Family | None) -> tuple:
     """The tokenizer files (the flags', else the recorded, else the shipped default): (special ids, a few words).
     A family's Hugging Face tokenizer directory (what --from-hf records) is copied as it is, with its own bos and
-    pad; its ids may be fewer than the model's rows (DeepSeek-Coder: 32,022 ids, 32,256 rows). None are written for a checkpoint that records no tokenizer and does not fit the default's vocabulary,
-    or for a tokenizer no tokenizer.json reproduces (SentencePiece): the model still exports, and the line says
-    so."""
+    pad; a named tokenizer of a family's model may have fewer ids than the model has rows (DeepSeek-Coder: 32,022
+    ids, 32,256 rows). None are written for a checkpoint that records no tokenizer and does not fit the default's
+    vocabulary, or for a tokenizer no tokenizer.json reproduces (SentencePiece): the model still exports, and the
+    line says so."""
     from codegeex_train.formats.huggingface.tokenizer import (
         TOKENIZER_CONFIG,
         copy_hf_tokenizer,
@@ -158,9 +159,10 @@ def _write_tokenizer(load_dir: str, meta: dict, config: ModelConfig, tokenizer_f
     none = {"eos_token_id": None, "bos_token_id": None, "pad_token_id": None}
     tokenizer = load_tokenizer(DataConfig(**{k: v for k, v in settings.items() if v is not None}))
     vocab = tokenizer.vocab_size
-    if vocab != config.vocab_size and not (family is not None and vocab < config.vocab_size):
+    named = any(tokenizer_flags.values()) or isinstance(meta.get("tokenizer"), dict)  # by the user or the run
+    if vocab != config.vocab_size and not (family is not None and named and vocab < config.vocab_size):
         misfit = f"tokenizer {which} has {vocab} ids, the model {config.vocab_size}"
-        if any(tokenizer_flags.values()) or isinstance(meta.get("tokenizer"), dict):  # named by the user or the run
+        if named:
             raise CheckpointError(f"--to-hf: {misfit}: pass the tokenizer flags training used")
         return none, f"none written ({misfit}; the checkpoint records none: pass the tokenizer flags training used)"
     directory = Path(settings.get("tokenizer_model") or "")
