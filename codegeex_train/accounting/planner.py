@@ -64,7 +64,7 @@ from codegeex_train.accounting.theory import (
     recomputed_attentions,
     stage_parameters,
 )
-from codegeex_train.config.config_file import PLANNER_SECTION, ConfigFileError, preset_path, section
+from codegeex_train.config.config_file import PLANNER_SECTION, ConfigFileError, known_keys, preset_path, section
 from codegeex_train.config.model_config import NORMALIZATIONS, ModelConfig, ModelConfigError
 from codegeex_train.layout.dims import ParallelDims
 from codegeex_train.layout.errors import LayoutError
@@ -99,8 +99,11 @@ def preset_values(name: str) -> dict:
     ConfigFileError for a missing file or an unknown key in its planner: section."""
     path = preset_path(name)
     values = {}
+    model_fields = known_keys({"model": ModelConfig})["model"]  # a field's every spelling (norm_epsilon, ...)
     for name_, keys in PRESET_KEYS.items():
         given = {str(k).replace("-", "_"): v for k, v in section(path, name_).items()}
+        if name_ == "model":
+            given = {model_fields[k].name if k in model_fields else k: v for k, v in given.items()}
         unknown = sorted(set(given) - set(keys)) if name_ == PLANNER_SECTION else []
         if unknown:
             raise ConfigFileError(f"--config {path}: unknown key {PLANNER_SECTION}.{unknown[0]} (it holds "

@@ -408,19 +408,17 @@ def attention_core_bytes(w: Workload, top_query: bool = False) -> int:
     (context_parallel/ring_attention.py's ``sdpa``: the memory-efficient kernel has no enable_gqa), and the math path
     repeats them itself: 2 e s b (h - kv) / t more, the repeated copies being what SDPA keeps (a masked fused call
     without RoPE keeps 2 e s b kv / t more: its groups are views of the fused QKV output, which the queries keep
-    alive; measured on CPU, torch 2.13). A masked fused call
-    also keeps the additive mask SDPA makes of the bool band, in the compute dtype: e s^2 per attention (broadcast
-    over the batch and the heads, the same on every TP rank); the math path adds the mask to the scores and keeps
-    nothing of it. The top query layer (``top_query``) is multi-head: nothing to repeat."""
+    alive). A masked fused call also keeps the additive mask SDPA makes of the bool band, in the compute dtype:
+    e s^2 per attention (broadcast over the batch and the heads, the same on every TP rank); the math path adds the
+    mask to the scores and keeps nothing of it. The top query layer (``top_query``) is multi-head: nothing to
+    repeat. Measured on CPU (torch 2.13: the fused flash kernel and the math path); the CUDA kernels are assumed to
+    keep the same (flash takes enable_gqa; the memory-efficient kernel keeps its attention bias)."""
     m = w.model
     b, s, a, e, t = w.plan.micro_batch_size, w.local_seq_length, m.num_attention_heads, w.dtype_bytes, w.tp_size
     if w.cp_size > 1:
         return e * s * b * m.hidden_size // t + 4 * a * s * b // t
     kv = m.hidden_size if top_query else m.kv_size
-    # The repeated K and V (a heads each) beside what "qkv" counts (the groups): 2 (h - kv) more, except behind a
-    # fused kernel's mask without RoPE, where the groups are views of the fused QKV output that the queries keep
-    # alive (2h more; the math path scales a copy of the queries instead).
-    repeated_kv = 2 * e * s * b * (m.hidden_size - kv) // t
+    repeated_kv = 2 * e * s * b * (m.hidden_size - kv) // t  # beside the groups "qkv" counts
     if fused_attention(w):
         lse = 4 * a * s * b // t  # fp32 log-sum-exp per head and query
         if not window_masked(w):

@@ -151,7 +151,11 @@ def _model_flags(stored: ModelConfig, config: ModelConfig) -> str:
     if stored.top_query_layer != config.top_query_layer:
         flags.append("--top-query-layer" if stored.top_query_layer else "--no-top-query-layer")
     flags += _architecture_flags(stored, config)
-    if stored.padded_vocab_size != config.padded_vocab_size:
+    if stored.padded_vocab_size != config.padded_vocab_size and 0 < config.vocab_size <= stored.padded_vocab_size:
+        # An imported family model has more rows than its tokenizer has ids (Qwen2.5-Coder: 152,064 for 151,665)
+        flags.append(f"--make-vocab-size-divisible-by {stored.padded_vocab_size} (its {stored.padded_vocab_size}-row "
+                     f"word table holds this tokenizer's {config.vocab_size} ids)")
+    elif stored.padded_vocab_size != config.padded_vocab_size:
         flags.append(f"the tokenizer flags it was trained with (a vocabulary padded to {stored.padded_vocab_size}, "
                      f"see --make-vocab-size-divisible-by)")
     return ", ".join(flags)

@@ -113,9 +113,14 @@ class Generator:
         config = ModelConfig(**meta["model_config"])
         if tokenizer is not None:
             check_tokenizer_fits_vocab(tokenizer, config.padded_vocab_size)
-            if tokenizer.vocab_size != config.vocab_size:
+            # The recorded tokenizer's size when there is one: an imported family model has more rows than its
+            # tokenizer has ids (Qwen2.5-Coder: 152,064 for 151,665), which is no mismatch.
+            recorded = meta.get("tokenizer")
+            trained = recorded.get("vocab_size") if isinstance(recorded, dict) else None
+            if tokenizer.vocab_size != trained if isinstance(trained, int) else tokenizer.vocab_size > config.vocab_size:
                 warnings.warn(f"the tokenizer has {tokenizer.vocab_size} ids but checkpoint {load_dir} was trained "
-                              f"with {config.vocab_size}: pass the tokenizer flags training used", stacklevel=2)
+                              f"with {trained or config.vocab_size}: pass the tokenizer flags training used",
+                              stacklevel=2)
         model = CodeGeeXModel(config, ModelGroups(tp=tp_group), rng_tracker=rng_tracker, dtype=dtype, device=device)
         with reading_checkpoint(load_dir):  # a run saving there with --keep-last-n-checkpoints keeps it meanwhile
             load_model_checkpoint(load_dir, model)

@@ -16,16 +16,17 @@ from codegeex_train.layout.dims import ParallelDims
 from codegeex_train.layout.plan import ParallelPlan
 
 ROOT = Path(__file__).resolve().parents[2]
-# preset -> (parameters, of which outside the word table and output layer, the TP sizes an 8-GPU node allows).
+# preset -> (parameters, of which outside the word table and output layer, the TP sizes an 8-GPU node allows, the
+# table's rows: config.json's vocab_size, which the tokenizer's ids are padded to).
 # Qwen2.5-Coder: the model cards' "Number of Parameters" (7.61B, 1.54B) and "(Non-Embedding)" (6.53B, 1.31B);
 # StarCoder2: the hub checkpoints' sizes (7B: 14.35 GB of bf16 = 7.17B; 15B: 63.8 GB of fp32 = 15.95B);
 # DeepSeek-Coder: its name (6.7B).
 PUBLISHED = {
-    "deepseek-coder-6.7b": (6.7e9, None, {1, 2, 4, 8}),
-    "qwen2.5-coder-1.5b": (1.54e9, 1.31e9, {1, 2}),
-    "qwen2.5-coder-7b": (7.61e9, 6.53e9, {1, 2, 4}),
-    "starcoder2-7b": (7.17e9, None, {1, 2, 4}),
-    "starcoder2-15b": (15.95e9, None, {1, 2, 4}),
+    "deepseek-coder-6.7b": (6.7e9, None, {1, 2, 4, 8}, 32256),
+    "qwen2.5-coder-1.5b": (1.54e9, 1.31e9, {1, 2}, 151936),
+    "qwen2.5-coder-7b": (7.61e9, 6.53e9, {1, 2, 4}, 152064),
+    "starcoder2-7b": (7.17e9, None, {1, 2, 4}, 49152),
+    "starcoder2-15b": (15.95e9, None, {1, 2, 4}, 49152),
 }
 
 
@@ -37,7 +38,8 @@ def _whole(model):
 @pytest.mark.parametrize("preset", PUBLISHED)
 def test_presets_give_the_published_sizes(preset):
     model, _, _ = from_preset(preset)
-    total, non_embedding, _ = PUBLISHED[preset]
+    total, non_embedding, _, rows = PUBLISHED[preset]
+    assert model.padded_vocab_size == rows  # what --from-hf imports: the tokenizer's ids padded to the table's rows
     n = _whole(model)
     assert n == pytest.approx(total, rel=0.01), n
     if non_embedding is not None:
@@ -58,7 +60,7 @@ def test_pretraining_the_planner_and_the_gpu_check_read_one_model(preset):
     assert replace(trained, vocab_size=planned.vocab_size) == planned
     checked = c_model(gpu_check_args(["--config", preset]))
     assert replace(trained, vocab_size=checked.vocab_size, max_position_embeddings=kw["seq_length"]) == checked
-    assert planned.vocab_size == checked.vocab_size == planned.padded_vocab_size  # the table's rows, unpadded
+    assert planned.vocab_size == checked.vocab_size and planned.padded_vocab_size == PUBLISHED[preset][3]
 
 
 @pytest.mark.parametrize("preset", PUBLISHED)
