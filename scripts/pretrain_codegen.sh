@@ -26,7 +26,8 @@
 #
 # Variables: OUTPUT_DIR (checkpoints, metrics.jsonl, logs; default the CONFIG file's save:, else
 # ./outputs/codegen-$CONFIG), CONFIG
-# (a preset in configs/: default | codegeex-13b | codegeex-1.3b, or a .yaml file; docs/config-files.md), DEVICE (cpu | gpu; default gpu when nvidia-smi lists one, unless DS_ACCELERATOR=cpu;
+# (a preset in configs/: default | codegeex-13b | codegeex-1.3b | deepseek-coder-6.7b | qwen2.5-coder-1.5b |
+# qwen2.5-coder-7b | starcoder2-7b | starcoder2-15b, or a .yaml file; docs/config-files.md), DEVICE (cpu | gpu; default gpu when nvidia-smi lists one, unless DS_ACCELERATOR=cpu;
 # with HOSTFILE on a host without a GPU, e.g. a login node, there is no default: set it),
 # NUM_GPUS (ranks per node; default the GPUs `nvidia-smi -L` lists, 2 on CPU), HOSTFILE (several nodes, via
 # pdsh/ssh; the ranks are its slots), TP, PP (stages; 39 layers split unevenly need

@@ -154,7 +154,7 @@ def replicated_layer_parameters(model: ModelConfig) -> int:
 
 
 def layer_parameters(model: ModelConfig, tp: int, top_query: bool = False) -> int:
-    """One transformer layer's parameters on one TP rank (checkpoint/files.py ``model_parameter_shapes``, split as
+    """One transformer layer's parameters on one TP rank (model/shapes.py ``model_parameter_shapes``, split as
     ``partition_spec`` splits them): [Q; K; V] of (n + 2g) d rows (g = n without GQA), the dense h x n d, the MLP's
     h -> ffn (2 ffn rows, [gate; up], under --swiglu) and ffn -> h. ``top_query``: the top query layer, whose
     attention stays multi-head (query h rows, key_value 2h)."""

@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 
 from codegeex_train.checkpoint.deepspeed_files import IncompleteCheckpoint, Part, TagFiles, check_model_states
-from codegeex_train.checkpoint.files import META_KEY, checkpoint_tag, read_latest, type_name, write_latest
+from codegeex_train.checkpoint.files import META_KEY, checkpoint_tag, read_latest, write_latest
+from codegeex_train.config.options import type_name
 from codegeex_train.checkpoint.run_dir import clear_tag_for
 from codegeex_train.checkpoint.safe_load import CheckpointError, safe_torch_load
 from codegeex_train.checkpoint.train_state import TrainState, rng_state, set_rng_state

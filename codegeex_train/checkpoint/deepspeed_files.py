@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from codegeex_train.checkpoint.files import type_name
+from codegeex_train.config.options import type_name
 from codegeex_train.checkpoint.safe_load import CheckpointError, safe_torch_load
 
 MODEL_FILE = re.compile(r"^mp_rank_(\d{2,})_model_states\.pt$")

@@ -44,9 +44,11 @@ import torch
 from codegeex_train.checkpoint.safe_load import CheckpointError, check_tag_dir, file_kind, safe_torch_load
 from codegeex_train.checkpoint.sharding import merge_state_dicts, partition_spec, stages_of_name
 from codegeex_train.config.model_config import ModelConfig
+from codegeex_train.config.options import has_declared_type, type_name
 from codegeex_train.config.redaction import redact_secrets
 from codegeex_train.config.arguments import ConfigError
 from codegeex_train.layout.dims import model_parallel_rank
+from codegeex_train.model.shapes import model_parameter_shapes
 from codegeex_train.tokenization.code_tokens import trained_order
 from codegeex_train.tokenization.tokenizer import Tokenizer
 from codegeex_train.tokenization.record import (  # (TOKENIZER_FIELDS, ...: imported from here by the tools)
@@ -257,47 +259,6 @@ def describe_shape_difference(stored: ModelConfig, config: ModelConfig) -> str:
 
 # --- What each file must hold, from the config alone (no weights built: a check before any process group) ----------
 
-def _norm_shapes(name: str, config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    h = config.hidden_size
-    return {f"{name}.weight": (h,)} | ({} if config.normalization == "RMSNorm" else {f"{name}.bias": (h,)})
-
-
-def _linear_shapes(name: str, rows: int, columns: int, bias: bool) -> dict[str, tuple[int, ...]]:
-    return {f"{name}.weight": (rows, columns)} | ({f"{name}.bias": (rows,)} if bias else {})
-
-
-def _layer_shapes(prefix: str, config: ModelConfig, attention: dict[str, int]) -> dict[str, tuple[int, ...]]:
-    """One layer's parameters in the module's order; ``attention``: the column-parallel projections and their rows."""
-    h, ffn = config.hidden_size, config.ffn_hidden_size
-    shapes = _norm_shapes(f"{prefix}input_layernorm", config)
-    for name, rows in attention.items():  # column-parallel projections: (out, in)
-        shapes.update(_linear_shapes(f"{prefix}attention.{name}", rows, h, config.qkv_bias))
-    shapes.update(_linear_shapes(f"{prefix}attention.dense", h, config.num_attention_heads * config.head_dim,
-                                 config.linear_bias))
-    shapes.update(_norm_shapes(f"{prefix}post_attention_layernorm", config))
-    shapes.update(_linear_shapes(f"{prefix}mlp.dense_h_to_4h", config.mlp_in_size, h, config.linear_bias))
-    shapes.update(_linear_shapes(f"{prefix}mlp.dense_4h_to_h", h, ffn, config.linear_bias))
-    return shapes
-
-
-def model_parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter of the whole model (TP = PP = 1) with its shape, in ``CodeGeeXModel``'s order: what its
-    ``state_dict`` holds (tests check the two agree), computed without building it."""
-    h = config.hidden_size
-    shapes = {"word_embeddings.weight": (config.padded_vocab_size, h)}
-    if config.position_table_rows:  # learned_absolute
-        shapes["position_embeddings.weight"] = (config.position_table_rows, h)
-    for i in range(config.num_layers):  # fused [Q; K; V]: the heads' queries, the groups' keys and values
-        shapes.update(_layer_shapes(f"layers.{i}.", config, {"query_key_value": h + 2 * config.kv_size}))
-    shapes.update(_norm_shapes("final_layernorm", config))
-    if config.top_query_layer:
-        shapes["top_query_embeddings.weight"] = (config.top_query_rows, h)
-        shapes.update(_layer_shapes("top_query_layer.", config, {"query": h, "key_value": 2 * h}))
-    if not config.tied_output:
-        shapes["output_layer.weight"] = (config.padded_vocab_size, h)
-    return shapes
-
-
 def rank_parameter_shapes(config: ModelConfig, tp_size: int, stage_layers: Sequence[Sequence[int]],
                           pp_rank: int) -> dict[str, tuple[int, ...]]:
     """What the model file of any TP rank of pipeline stage ``pp_rank`` holds: that stage's parameters
@@ -335,24 +296,6 @@ def first_tensor_difference(shapes: dict[str, tuple[int, ...] | None],
     if extra is not None:
         return f"it holds parameter {str(extra)[:100]}, which the model built from the flags lacks"
     return None
-
-
-def type_name(value: object) -> str:
-    """'a str', 'an int', ... (what a field holds instead of what it should; never the value itself)."""
-    name = "null" if value is None else type(value).__name__
-    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
-
-
-_FIELD_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
-
-
-def has_declared_type(value: object, declared: str) -> bool:
-    """Whether ``value`` (read from a file) is of a dataclass field's ``declared`` type ('int', 'float | None', ...):
-    a bool is no number, a float (2.0) no int; an int is a float."""
-    kind, _, optional = declared.partition(" | ")
-    if value is None:
-        return optional == "None"
-    return isinstance(value, _FIELD_TYPES[kind]) and (kind == "bool" or not isinstance(value, bool))
 
 
 def model_config_from(fields: object, where: str, tp_size: int = 1) -> ModelConfig:

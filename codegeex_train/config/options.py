@@ -330,6 +330,24 @@ def add_foreign_flags(parser: FlagParser, table: dict[str, ForeignFlag], origin:
         action.type = _value_converter(action.type or str, flag, by_value)
 
 
+def type_name(value: object) -> str:
+    """For messages about a value read from a file: 'a str', 'an int', ... (what a field holds instead of what it should; never the value itself)."""
+    name = "null" if value is None else type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+_FIELD_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
+
+
+def has_declared_type(value: object, declared: str) -> bool:
+    """Whether ``value`` (read from a file) is of a dataclass field's ``declared`` type ('int', 'float | None', ...):
+    a bool is no number, a float (2.0) no int; an int is a float."""
+    kind, _, optional = declared.partition(" | ")
+    if value is None:
+        return optional == "None"
+    return isinstance(value, _FIELD_TYPES[kind]) and (kind == "bool" or not isinstance(value, bool))
+
+
 def build_parser(sections: dict[str, type], description: str, usage: str | None = None,
                  epilog: str | None = None) -> FlagParser:
     parser = FlagParser(description=description, usage=usage, epilog=epilog)

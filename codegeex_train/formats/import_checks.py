@@ -17,7 +17,8 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from codegeex_train.checkpoint.files import has_declared_type, model_parameter_shapes
+from codegeex_train.config.options import has_declared_type
+from codegeex_train.model.shapes import model_parameter_shapes
 from codegeex_train.checkpoint.safe_load import CheckpointError
 from codegeex_train.config.model_config import ModelConfig
 

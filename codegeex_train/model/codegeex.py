@@ -109,7 +109,7 @@ class CodeGeeXModel(nn.Module):
                                                                 "top_query_embeddings.weight", sp_group=sp_group, **kw)
                 self.top_query_layer = TopQueryLayer(config, groups, plan, rng_tracker, init, "top_query_layer.",
                                                      **kw)
-            if not config.tied_output:  # the last parameter, as checkpoint/files.py's model_parameter_shapes says
+            if not config.tied_output:  # the last parameter, as model/shapes.py says
                 self.output_layer = output_layer(config.padded_vocab_size, h, groups.tp, init, **kw)
         # Per chunk (each its own model in Megatron): its layer index -> the recompute unit holding it
         self._unit_of = [{i: unit for unit in plan.recompute.full_units(len(c)) for i in unit}

@@ -21,7 +21,8 @@ from codegeex_train.accounting.theory import (
     stage_parameters,
     tp_bytes_per_microbatch,
 )
-from codegeex_train.checkpoint.files import model_parameter_shapes, rank_parameter_shapes
+from codegeex_train.checkpoint.files import rank_parameter_shapes
+from codegeex_train.model.shapes import model_parameter_shapes
 from codegeex_train.config.model_config import ModelConfig
 from codegeex_train.layout.dims import ParallelDims
 from codegeex_train.layout.plan import ParallelPlan

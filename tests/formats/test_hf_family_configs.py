@@ -133,7 +133,7 @@ def test_the_tensor_map_round_trips_and_slices_without_copying():
         hf = {name: torch.randn(shape, generator=g) for name, shape in hf_shapes(family_config).items()}
         source = import_source(hf, family_config)
         export = tensor_exporter(family_config)
-        from codegeex_train.checkpoint.files import model_parameter_shapes
+        from codegeex_train.model.shapes import model_parameter_shapes
 
         back = {}
         for name, shape in model_parameter_shapes(family_config).items():

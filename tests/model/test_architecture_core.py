@@ -32,7 +32,8 @@ from codegeex_train.checkpoint import (
     split_model_parallel,
     split_state_dict,
 )
-from codegeex_train.checkpoint.files import model_parameter_shapes, rank_parameter_shapes
+from codegeex_train.checkpoint.files import rank_parameter_shapes
+from codegeex_train.model.shapes import model_parameter_shapes
 from codegeex_train.layout.plan import ParallelPlan
 from codegeex_train.layout.recompute import Recompute
 from codegeex_train.layout.stages import stage_layer_ranges

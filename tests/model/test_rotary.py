@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from model_helpers import dense_logits, gather_full, make_batch, max_err, model_plan, tiny_config
 
 from codegeex_train.checkpoint import load_full_state_dict, load_model_checkpoint, save_model_checkpoint
-from codegeex_train.checkpoint.files import CheckpointError, model_parameter_shapes
+from codegeex_train.checkpoint.files import CheckpointError
+from codegeex_train.model.shapes import model_parameter_shapes
 from codegeex_train.checkpoint.sharding import split_model_parallel
 from codegeex_train.layout.recompute import Recompute
 from codegeex_train.model import CodeGeeXModel, ModelConfigError, ModelGroups

@@ -49,7 +49,7 @@ from collections.abc import Mapping
 
 import torch
 
-from codegeex_train.checkpoint.files import model_parameter_shapes
+from codegeex_train.model.shapes import model_parameter_shapes
 from codegeex_train.config.model_config import ModelConfig
 
 PREFIX = "language_model."

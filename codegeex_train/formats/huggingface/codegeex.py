@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from codegeex_train.checkpoint.files import model_parameter_shapes
+from codegeex_train.model.shapes import model_parameter_shapes
 from codegeex_train.config.model_config import ModelConfig
 
 _REMOTE_DIR = Path(__file__).resolve().parent / "remote"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from codegeex_train.checkpoint.files import model_parameter_shapes
+from codegeex_train.model.shapes import model_parameter_shapes
 from codegeex_train.config.model_config import ModelConfig
 
 # Our per-layer name -> GPT-2's (transformer.h.{i}.) name, and whether HF's Conv1D stores it (in, out).

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from codegeex_train.checkpoint.files import model_parameter_shapes
+from codegeex_train.model.shapes import model_parameter_shapes
 from codegeex_train.config.model_config import ModelConfig
 
 VOCAB_TABLES = {"word_embeddings.weight": "model.embed_tokens.weight", "output_layer.weight": "lm_head.weight"}
